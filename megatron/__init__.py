@@ -1,0 +1,1 @@
+"""Megatron-LM compatible GPT pretraining (megatron-safepipe)."""

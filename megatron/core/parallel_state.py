@@ -1,0 +1,506 @@
+"""Module-level parallel-state API with megatron-core 0.11 names, over one state object.
+
+The real work happens in :mod:`megatron.core.process_groups`: this module only
+builds one :class:`ParallelLayout` and its :class:`ProcessGroups`, keeps them
+(plus the virtual-pipeline position and the ``set_*`` overrides) in a single
+:class:`_ParallelState`, and answers the familiar getters from it. New code
+should take the ``ProcessGroups`` from :func:`get_process_groups` and pass it
+explicitly.
+
+Deviations from upstream worth knowing:
+
+* Sizes and ranks are answered from the layout arithmetic (identical to what
+  torch reports for the groups) instead of querying torch.distributed.
+* Expert parallelism, the encoder/decoder split, SHARP, NCCL communicator
+  configs, custom embedding-rank callables and partial distributed optimizers
+  are not supported; asking for them raises ValueError.
+* ``destroy_model_parallel`` also clears the ``set_data_parallel_rank``
+  override and the group-creation log.
+* The pipeline next/prev/last-rank getters come from real group membership and
+  ignore ``set_pipeline_model_parallel_rank``/``world_size`` overrides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from megatron.core.process_groups import (
+    ParallelLayout,
+    ProcessGroups,
+    build_process_groups,
+    destroy_process_groups,
+    reset_created_groups,
+)
+
+
+@dataclass
+class _ParallelState:
+    """Everything this module remembers between calls; reset by destroy_model_parallel."""
+
+    groups: ProcessGroups | None = None
+    virtual_pipeline_rank: int | None = None
+    virtual_pipeline_world_size: int | None = None
+    # Values forced through the set_* functions; they win over the groups.
+    tensor_world_size: int | None = None
+    pipeline_world_size: int | None = None
+    tensor_rank: int | None = None
+    pipeline_rank: int | None = None
+    data_parallel_rank: int | None = None
+
+
+_state = _ParallelState()
+
+# Upstream's hook for choosing embedding stages: (pipeline ranks, split rank) -> ranks.
+EmbeddingRanksFn = Callable[[list[int], int | None], list[int]]
+
+
+def _groups(caller: str) -> ProcessGroups:
+    if _state.groups is None:
+        raise RuntimeError(
+            f"{caller}() needs the model-parallel groups, but initialize_model_parallel() "
+            f"has not been called (or destroy_model_parallel() has been called since)"
+        )
+    return _state.groups
+
+
+def _groups_unless_no_distributed(caller: str) -> ProcessGroups | None:
+    """Upstream answers some size/rank getters with 0 when torch.distributed is off."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _groups(caller)
+
+
+# ------------------------------------------------------------------ setup
+
+
+def _reject_unsupported(**given: tuple[Any, Any]) -> None:
+    for name, (value, default) in given.items():
+        if value != default:
+            raise ValueError(
+                f"{name}={value!r} is not supported by this tree; leave it at its default "
+                f"({default!r})"
+            )
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    pipeline_model_parallel_split_rank: int | None = None,
+    use_sharp: bool = False,
+    context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: list[int] | None = None,
+    expert_model_parallel_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    nccl_communicator_config_path: str | None = None,
+    distributed_timeout_minutes: int = 30,
+    order: str = "tp-cp-ep-dp-pp",
+    encoder_tensor_model_parallel_size: int = 0,
+    encoder_pipeline_model_parallel_size: int | None = 0,
+    get_embedding_ranks: EmbeddingRanksFn | None = None,
+    get_position_embedding_ranks: EmbeddingRanksFn | None = None,
+) -> None:
+    """Create all model- and data-parallel groups for this job (collective over all ranks)."""
+    _reject_unsupported(
+        pipeline_model_parallel_split_rank=(pipeline_model_parallel_split_rank, None),
+        use_sharp=(use_sharp, False),
+        # An empty list means no hierarchy, as upstream.
+        hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes or None, None),
+        expert_model_parallel_size=(expert_model_parallel_size, 1),
+        num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
+        nccl_communicator_config_path=(nccl_communicator_config_path, None),
+        encoder_tensor_model_parallel_size=(encoder_tensor_model_parallel_size, 0),
+        # Upstream treats None like 0 here.
+        encoder_pipeline_model_parallel_size=(encoder_pipeline_model_parallel_size or 0, 0),
+        get_embedding_ranks=(get_embedding_ranks, None),
+        get_position_embedding_ranks=(get_position_embedding_ranks, None),
+    )
+    if expert_tensor_parallel_size not in (None, tensor_model_parallel_size):
+        raise ValueError(
+            f"expert_tensor_parallel_size={expert_tensor_parallel_size!r} is not supported by "
+            f"this tree; leave it None or equal to tensor_model_parallel_size "
+            f"({tensor_model_parallel_size})"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "initialize_model_parallel() needs torch.distributed to be initialised first "
+            "(call torch.distributed.init_process_group())"
+        )
+    layout = ParallelLayout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        order=order,
+    )
+    initialize_model_parallel_from_layout(
+        layout, timeout=datetime.timedelta(minutes=distributed_timeout_minutes)
+    )
+
+
+def initialize_model_parallel_from_layout(
+    layout: ParallelLayout,
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    gloo_data_parallel: bool = True,
+) -> ProcessGroups:
+    """Build and install the groups of an explicit ``layout``; returns them (collective)."""
+    if _state.groups is not None:
+        raise RuntimeError(
+            "model parallel state is already initialised; call destroy_model_parallel() "
+            "before initialising it again"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "initialize_model_parallel_from_layout() needs torch.distributed to be "
+            "initialised first (call torch.distributed.init_process_group())"
+        )
+    groups = build_process_groups(
+        layout,
+        dist.get_rank(),
+        backend=backend,
+        timeout=timeout,
+        gloo_data_parallel=gloo_data_parallel,
+    )
+    _state.groups = groups
+    if layout.virtual_pipeline_model_parallel_size is not None:
+        _state.virtual_pipeline_world_size = layout.virtual_pipeline_model_parallel_size
+        _state.virtual_pipeline_rank = 0
+    return groups
+
+
+def destroy_model_parallel() -> None:
+    """Forget all groups, overrides and the creation log; release held gloo groups."""
+    global _state
+    if _state.groups is not None:
+        destroy_process_groups(_state.groups)
+    _state = _ParallelState()
+    reset_created_groups()
+
+
+def get_parallel_layout() -> ParallelLayout:
+    return _groups("get_parallel_layout").layout
+
+
+def get_process_groups() -> ProcessGroups:
+    return _groups("get_process_groups")
+
+
+def is_initialized() -> bool:
+    return _state.groups is not None
+
+
+def is_unitialized() -> bool:
+    """Deprecated upstream spelling of ``not is_initialized()``."""
+    warnings.warn(
+        "is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2
+    )
+    return not is_initialized()
+
+
+def model_parallel_is_initialized() -> bool:
+    return _state.groups is not None
+
+
+# ------------------------------------------------------------------ groups
+
+
+def get_model_parallel_group() -> Any:
+    return _groups("get_model_parallel_group").mp
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> Any:
+    if not check_initialized and _state.groups is None:
+        return None
+    return _groups("get_tensor_model_parallel_group").tp
+
+
+def get_pipeline_model_parallel_group() -> Any:
+    return _groups("get_pipeline_model_parallel_group").pp
+
+
+def _check_partial(partial_data_parallel: bool, with_context_parallel: bool) -> None:
+    # With a single distributed-optimizer instance the "partial" data-parallel
+    # group is the whole data-and-context group, as upstream; it must include cp.
+    if partial_data_parallel and not with_context_parallel:
+        raise ValueError(
+            "partial_data_parallel=True requires with_context_parallel=True "
+            "(the partial data-parallel group always includes context parallelism)"
+        )
+
+
+def get_data_parallel_group(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> Any:
+    _check_partial(partial_data_parallel, with_context_parallel)
+    groups = _groups("get_data_parallel_group")
+    return groups.dp_cp if with_context_parallel else groups.dp
+
+
+def get_data_parallel_group_gloo(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> Any:
+    _check_partial(partial_data_parallel, with_context_parallel)
+    groups = _groups("get_data_parallel_group_gloo")
+    group = groups.dp_cp_gloo if with_context_parallel else groups.dp_gloo
+    if group is None:
+        raise RuntimeError(
+            "the gloo data-parallel groups were not created "
+            "(initialize_model_parallel_from_layout was called with gloo_data_parallel=False)"
+        )
+    return group
+
+
+def get_context_parallel_group(check_initialized: bool = True) -> Any:
+    if not check_initialized and _state.groups is None:
+        return None
+    return _groups("get_context_parallel_group").cp
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int] | None:
+    if not check_initialized and _state.groups is None:
+        return None
+    return list(_groups("get_context_parallel_global_ranks").cp_ranks)
+
+
+def get_embedding_group() -> Any:
+    groups = _groups("get_embedding_group")
+    if groups.embedding is None:
+        raise RuntimeError(
+            f"rank {groups.rank} holds no word embeddings, so it is in no embedding group; "
+            f"check is_rank_in_embedding_group() first"
+        )
+    return groups.embedding
+
+
+def get_position_embedding_group() -> Any:
+    groups = _groups("get_position_embedding_group")
+    if groups.position_embedding is None:
+        raise RuntimeError(
+            f"rank {groups.rank} holds no position embeddings, so it is in no position "
+            f"embedding group; check is_rank_in_position_embedding_group() first"
+        )
+    return groups.position_embedding
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> Any:
+    groups = _groups("get_tensor_and_data_parallel_group")
+    return groups.tp_dp_cp if with_context_parallel else groups.tp_dp
+
+
+def get_tensor_and_context_parallel_group() -> Any:
+    return _groups("get_tensor_and_context_parallel_group").tp_cp
+
+
+# ------------------------------------------------------------------ tensor / pipeline
+
+
+def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
+    _state.tensor_world_size = world_size
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    if _state.tensor_world_size is not None:
+        return _state.tensor_world_size
+    return len(_groups("get_tensor_model_parallel_world_size").tp_ranks)
+
+
+def set_tensor_model_parallel_rank(rank: int | None) -> None:
+    _state.tensor_rank = rank
+
+
+def get_tensor_model_parallel_rank() -> int:
+    if _state.tensor_rank is not None:
+        return _state.tensor_rank
+    groups = _groups("get_tensor_model_parallel_rank")
+    return groups.tp_ranks.index(groups.rank)
+
+
+def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    _state.pipeline_world_size = world_size
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    if _state.pipeline_world_size is not None:
+        return _state.pipeline_world_size
+    return len(_groups("get_pipeline_model_parallel_world_size").pp_ranks)
+
+
+def set_pipeline_model_parallel_rank(rank: int | None) -> None:
+    _state.pipeline_rank = rank
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    if _state.pipeline_rank is not None:
+        return _state.pipeline_rank
+    groups = _groups("get_pipeline_model_parallel_rank")
+    return groups.pp_ranks.index(groups.rank)
+
+
+def get_pipeline_model_parallel_split_rank() -> None:
+    """Always None: the encoder/decoder pipeline split is not supported."""
+    return None
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
+    _state.virtual_pipeline_world_size = world_size
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    return _state.virtual_pipeline_world_size
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    _state.virtual_pipeline_rank = rank
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    return _state.virtual_pipeline_rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    if not ignore_virtual and _state.virtual_pipeline_world_size is not None:
+        if _state.virtual_pipeline_rank != 0:
+            return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    virtual_size = _state.virtual_pipeline_world_size
+    if not ignore_virtual and virtual_size is not None:
+        if _state.virtual_pipeline_rank != virtual_size - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """Whether this rank holds word embeddings (for the current virtual stage unless ignored)."""
+    groups = _state.groups
+    if groups is None or groups.embedding_ranks is None:
+        return False
+    if ignore_virtual:
+        return True
+    # With interleaving, the first/last physical stages hold embeddings only in
+    # their first/last virtual chunk.
+    if groups.rank == groups.embedding_ranks[0]:
+        return is_pipeline_first_stage(ignore_virtual=False)
+    if groups.rank == groups.embedding_ranks[-1]:
+        return is_pipeline_last_stage(ignore_virtual=False)
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    groups = _state.groups
+    return groups is not None and groups.position_embedding_ranks is not None
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    return _groups("get_tensor_model_parallel_src_rank").tp_ranks[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _groups("get_pipeline_model_parallel_first_rank").pipeline_first_rank
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _groups("get_pipeline_model_parallel_last_rank").pipeline_last_rank
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    return _groups("get_pipeline_model_parallel_next_rank").pipeline_next_rank
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    return _groups("get_pipeline_model_parallel_prev_rank").pipeline_prev_rank
+
+
+# ------------------------------------------------------------------ data / context
+
+
+def _data_parallel_ranks(groups: ProcessGroups, with_context_parallel: bool) -> tuple[int, ...]:
+    return groups.dp_cp_ranks if with_context_parallel else groups.dp_ranks
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    groups = _groups("get_data_parallel_src_rank")
+    return _data_parallel_ranks(groups, with_context_parallel)[0]
+
+
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    _check_partial(partial_data_parallel, with_context_parallel)
+    groups = _groups_unless_no_distributed("get_data_parallel_world_size")
+    if groups is None:
+        return 0
+    return len(_data_parallel_ranks(groups, with_context_parallel))
+
+
+def set_data_parallel_rank(rank: int | None) -> None:
+    _state.data_parallel_rank = rank
+
+
+def get_data_parallel_rank(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    if _state.data_parallel_rank is not None:
+        return _state.data_parallel_rank
+    _check_partial(partial_data_parallel, with_context_parallel)
+    groups = _groups_unless_no_distributed("get_data_parallel_rank")
+    if groups is None:
+        return 0
+    return _data_parallel_ranks(groups, with_context_parallel).index(groups.rank)
+
+
+def get_context_parallel_world_size() -> int:
+    groups = _groups_unless_no_distributed("get_context_parallel_world_size")
+    return 0 if groups is None else len(groups.cp_ranks)
+
+
+def get_context_parallel_rank() -> int:
+    groups = _groups_unless_no_distributed("get_context_parallel_rank")
+    return 0 if groups is None else groups.cp_ranks.index(groups.rank)
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    groups = _groups_unless_no_distributed("get_tensor_and_context_parallel_world_size")
+    return 0 if groups is None else len(groups.tp_cp_ranks)
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    groups = _groups_unless_no_distributed("get_tensor_and_context_parallel_rank")
+    return 0 if groups is None else groups.tp_cp_ranks.index(groups.rank)
+
+
+# ------------------------------------------------------------------ expert (always off)
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """1 once initialised: expert parallelism is not supported, so every rank is its own group."""
+    groups = _groups_unless_no_distributed("get_expert_model_parallel_world_size")
+    return 0 if groups is None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    _groups_unless_no_distributed("get_expert_model_parallel_rank")
+    return 0
+
+
+def get_all_ranks() -> str:
+    """This rank's tp, dp, cp, pp and expert ranks joined by underscores, e.g. ``"1_0_0_2_0"``."""
+    ranks = [
+        get_tensor_model_parallel_rank(),
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
+    ]
+    return "_".join(str(rank or 0) for rank in ranks)

@@ -1,0 +1,470 @@
+"""The parallel layout of a job and the one place where its process groups are made.
+
+A :class:`ParallelLayout` is a validated, pure-Python description of how the
+global ranks are split into tensor (tp), context (cp), data (dp) and pipeline
+(pp) parallel coordinates. From it, :func:`build_process_groups` creates every
+group of every kind through :func:`create_group` -- the only function in this
+tree that calls ``torch.distributed.new_group`` -- and returns the groups the
+calling rank is a member of as one :class:`ProcessGroups` object, which is
+then passed around explicitly.
+
+Rank numbering matches upstream Megatron-LM: the ``order`` string lists the
+parallel dimensions from the fastest-varying to the slowest-varying one, so
+with the default ``"tp-cp-ep-dp-pp"`` neighbouring ranks share a tensor
+parallel group and pipeline stages are the farthest apart. Within a group,
+members are listed in ascending rank order, and groups of one kind are listed
+by their remaining coordinates, again fastest dimension first.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, NamedTuple, Sequence
+
+import torch.distributed as dist
+
+# Every dimension the order string must name. "ep" (expert parallelism) is
+# accepted for compatibility with upstream order strings but is always size 1.
+ORDER_TOKENS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+
+# Which dimensions span each group kind.
+_KIND_DIMENSIONS: dict[str, frozenset[str]] = {
+    "tp": frozenset({"tp"}),
+    "pp": frozenset({"pp"}),
+    "dp": frozenset({"dp"}),
+    "dp_cp": frozenset({"dp", "cp"}),
+    "cp": frozenset({"cp"}),
+    "mp": frozenset({"tp", "pp"}),
+    "tp_dp": frozenset({"tp", "dp"}),
+    "tp_dp_cp": frozenset({"tp", "dp", "cp"}),
+    "tp_cp": frozenset({"tp", "cp"}),
+}
+
+# Gloo twins of data-parallel groups (for CPU-side collectives such as
+# checkpoint gathering), keyed by the kind whose rank lists they reuse.
+GLOO_TWINS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp"}
+
+# The fixed order in which build_process_groups creates the kinds. Every rank
+# must create every group in the same sequence, so this order is part of the
+# contract between ranks.
+_CREATION_ORDER: tuple[str, ...] = (
+    "dp",
+    "dp_gloo",
+    "dp_cp",
+    "dp_cp_gloo",
+    "cp",
+    "mp",
+    "tp",
+    "pp",
+    "embedding",
+    "position_embedding",
+    "tp_dp_cp",
+    "tp_dp",
+    "tp_cp",
+)
+
+
+class RankCoordinates(NamedTuple):
+    """Position of one global rank along each parallel dimension."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+def _parse_order(order: Any) -> tuple[str, ...]:
+    if not isinstance(order, str):
+        raise ValueError(f"order must be a string such as 'tp-cp-ep-dp-pp', got {order!r}")
+    tokens = order.lower().split("-")
+    problems = []
+    unknown = [t for t in tokens if t not in ORDER_TOKENS]
+    if unknown:
+        problems.append(f"unknown token(s) {unknown}")
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    if repeated:
+        problems.append(f"repeated token(s) {repeated}")
+    missing = [t for t in ORDER_TOKENS if t not in tokens]
+    if missing:
+        problems.append(f"missing token(s) {missing}")
+    if problems:
+        raise ValueError(
+            f"order {order!r} must be a '-'-separated permutation of "
+            f"{'-'.join(ORDER_TOKENS)}: " + "; ".join(problems)
+        )
+    return tuple(tokens)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    # bool is an int subclass, but True as a parallel size is certainly a mistake.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _offsets(axes: Sequence[tuple[int, int]]) -> list[int]:
+    """All rank offsets spanned by ``(stride, size)`` axes, first axis varying fastest."""
+    offsets = [0]
+    for stride, size in axes:
+        offsets = [step * stride + base for step in range(size) for base in offsets]
+    return offsets
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How ``world_size`` ranks factor into tensor, context, data and pipeline parallelism.
+
+    ``data_parallel_size`` is whatever is left once tensor, context and
+    pipeline parallelism are taken out of the world size.
+    """
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    order: str = "tp-cp-ep-dp-pp"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "world_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        ):
+            _check_positive_int(name, getattr(self, name))
+        virtual = self.virtual_pipeline_model_parallel_size
+        if virtual is not None:
+            _check_positive_int("virtual_pipeline_model_parallel_size", virtual)
+            # Same rule as upstream: asking for interleaving at all needs a real pipeline.
+            if self.pipeline_model_parallel_size == 1:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size={virtual} needs "
+                    f"pipeline_model_parallel_size > 1, got 1; leave it as None "
+                    f"when there is no pipeline parallelism"
+                )
+        model_size = (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+        if self.world_size % model_size != 0:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by "
+                f"tensor({self.tensor_model_parallel_size}) x "
+                f"context({self.context_parallel_size}) x "
+                f"pipeline({self.pipeline_model_parallel_size}) = {model_size}: "
+                f"the data-parallel size would not be a whole number"
+            )
+        _parse_order(self.order)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+    @cached_property
+    def _axes(self) -> tuple[tuple[str, int, int], ...]:
+        """(token, size, stride) per dimension, fastest-varying first."""
+        sizes = {
+            "tp": self.tensor_model_parallel_size,
+            "cp": self.context_parallel_size,
+            "ep": 1,
+            "dp": self.data_parallel_size,
+            "pp": self.pipeline_model_parallel_size,
+        }
+        axes = []
+        stride = 1
+        for token in _parse_order(self.order):
+            axes.append((token, sizes[token], stride))
+            stride *= sizes[token]
+        return tuple(axes)
+
+    # ------------------------------------------------------------------ ranks
+
+    def coordinates(self, rank: int) -> RankCoordinates:
+        """The tp, cp, dp and pp coordinates of global ``rank``."""
+        self._check_rank(rank)
+        position = {token: (rank // stride) % size for token, size, stride in self._axes}
+        return RankCoordinates(
+            tp=position["tp"], cp=position["cp"], dp=position["dp"], pp=position["pp"]
+        )
+
+    def rank_of(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """The global rank at the given coordinates (the inverse of :meth:`coordinates`)."""
+        wanted = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": 0}
+        rank = 0
+        for token, size, stride in self._axes:
+            value = wanted[token]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+                raise ValueError(f"{token} coordinate must be in [0, {size}), got {value!r}")
+            rank += value * stride
+        return rank
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
+
+    def _spanning(self, dimensions: frozenset[str]) -> list[list[int]]:
+        inside = [(stride, size) for token, size, stride in self._axes if token in dimensions]
+        outside = [(stride, size) for token, size, stride in self._axes if token not in dimensions]
+        members = _offsets(inside)
+        return [[base + offset for offset in members] for base in _offsets(outside)]
+
+    # ---------------------------------------------------------- rank lists
+
+    def tensor_parallel_ranks(self) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["tp"])
+
+    def pipeline_parallel_ranks(self) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["pp"])
+
+    def data_parallel_ranks(self, with_context_parallel: bool = False) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["dp_cp" if with_context_parallel else "dp"])
+
+    def context_parallel_ranks(self) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["cp"])
+
+    def model_parallel_ranks(self) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["mp"])
+
+    def tensor_and_data_parallel_ranks(
+        self, with_context_parallel: bool = False
+    ) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["tp_dp_cp" if with_context_parallel else "tp_dp"])
+
+    def tensor_and_context_parallel_ranks(self) -> list[list[int]]:
+        return self._spanning(_KIND_DIMENSIONS["tp_cp"])
+
+    def embedding_ranks(self) -> list[list[int]]:
+        """Per pipeline: the stages holding word embeddings (first and last; one if pp == 1)."""
+        return [
+            [stages[0]] if len(stages) == 1 else [stages[0], stages[-1]]
+            for stages in self.pipeline_parallel_ranks()
+        ]
+
+    def position_embedding_ranks(self) -> list[list[int]]:
+        """Per pipeline: the stage holding position embeddings (the first)."""
+        return [[stages[0]] for stages in self.pipeline_parallel_ranks()]
+
+    # ---------------------------------------------------------- group kinds
+
+    @staticmethod
+    def group_kinds(gloo_data_parallel: bool = True) -> tuple[str, ...]:
+        """Every group kind, in the order build_process_groups creates them."""
+        if gloo_data_parallel:
+            return _CREATION_ORDER
+        return tuple(kind for kind in _CREATION_ORDER if kind not in GLOO_TWINS)
+
+    def rank_groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (one of :meth:`group_kinds`), as global rank lists."""
+        kind = GLOO_TWINS.get(kind, kind)
+        if kind == "embedding":
+            return self.embedding_ranks()
+        if kind == "position_embedding":
+            return self.position_embedding_ranks()
+        if kind not in _KIND_DIMENSIONS:
+            raise ValueError(f"unknown group kind {kind!r}; expected one of {_CREATION_ORDER}")
+        return self._spanning(_KIND_DIMENSIONS[kind])
+
+
+# ------------------------------------------------------------------ creation
+
+
+class CreatedGroup(NamedTuple):
+    """One entry of the creation log: what create_group was asked to make."""
+
+    name: str
+    ranks: tuple[int, ...]
+    backend: str | None
+
+
+# Per-process, in call order. Every rank must end up with the same log; a
+# later agreement check compares digests of it across ranks.
+_creation_log: list[CreatedGroup] = []
+
+
+def created_groups() -> tuple[CreatedGroup, ...]:
+    """Every group this process has created through create_group, oldest first."""
+    return tuple(_creation_log)
+
+
+def reset_created_groups() -> None:
+    """Forget the creation log (used when the parallel state is torn down)."""
+    _creation_log.clear()
+
+
+def create_group(
+    ranks: Sequence[int],
+    *,
+    name: str,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> Any:
+    """Create one process group over global ``ranks`` and record it in the creation log.
+
+    Like ``torch.distributed.new_group`` itself, this is collective: every rank
+    of the job must call it for every group, in the same order, with the same
+    rank list, including ranks that are not members. Non-members get torch's
+    non-member placeholder back.
+    """
+    members = tuple(ranks)
+    if not members or any(isinstance(r, bool) or not isinstance(r, int) for r in members):
+        raise ValueError(f"ranks for group {name!r} must be a non-empty list of ints, got {ranks!r}")
+    if len(set(members)) != len(members):
+        raise ValueError(f"ranks for group {name!r} contain duplicates: {list(members)}")
+    group = dist.new_group(ranks=list(members), timeout=timeout, backend=backend, group_desc=name)
+    _creation_log.append(CreatedGroup(name, members, backend))
+    return group
+
+
+# ------------------------------------------------------------------ membership
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups (and their global rank lists) that one rank belongs to.
+
+    ``embedding``/``embedding_ranks`` and ``position_embedding``/
+    ``position_embedding_ranks`` are None on ranks that hold no such
+    embedding; ``dp_gloo``/``dp_cp_gloo`` are None when gloo twins were not
+    requested.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    tp: Any
+    tp_ranks: tuple[int, ...]
+    pp: Any
+    pp_ranks: tuple[int, ...]
+    dp: Any
+    dp_ranks: tuple[int, ...]
+    dp_cp: Any
+    dp_cp_ranks: tuple[int, ...]
+    cp: Any
+    cp_ranks: tuple[int, ...]
+    mp: Any
+    mp_ranks: tuple[int, ...]
+    tp_dp: Any
+    tp_dp_ranks: tuple[int, ...]
+    tp_dp_cp: Any
+    tp_dp_cp_ranks: tuple[int, ...]
+    tp_cp: Any
+    tp_cp_ranks: tuple[int, ...]
+    embedding: Any | None
+    embedding_ranks: tuple[int, ...] | None
+    position_embedding: Any | None
+    position_embedding_ranks: tuple[int, ...] | None
+    dp_gloo: Any | None
+    dp_cp_gloo: Any | None
+
+    @property
+    def coordinates(self) -> RankCoordinates:
+        return self.layout.coordinates(self.rank)
+
+    @property
+    def pipeline_first_rank(self) -> int:
+        return self.pp_ranks[0]
+
+    @property
+    def pipeline_last_rank(self) -> int:
+        return self.pp_ranks[-1]
+
+    @property
+    def pipeline_next_rank(self) -> int:
+        """The global rank of the next stage; the last stage wraps to the first."""
+        stage = self.pp_ranks.index(self.rank)
+        return self.pp_ranks[(stage + 1) % len(self.pp_ranks)]
+
+    @property
+    def pipeline_prev_rank(self) -> int:
+        """The global rank of the previous stage; the first stage wraps to the last."""
+        stage = self.pp_ranks.index(self.rank)
+        return self.pp_ranks[(stage - 1) % len(self.pp_ranks)]
+
+    def held_groups(self) -> list[Any]:
+        """Every distinct group object this rank holds (for teardown)."""
+        held = []
+        for kind in _CREATION_ORDER:
+            group = getattr(self, kind)
+            if group is not None and all(group is not other for other in held):
+                held.append(group)
+        return held
+
+
+def build_process_groups(
+    layout: ParallelLayout,
+    rank: int,
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    gloo_data_parallel: bool = True,
+) -> ProcessGroups:
+    """Create every group of ``layout`` and return the ones ``rank`` belongs to.
+
+    Collective: every rank of the job must call this with an equal layout.
+    ``backend`` applies to all groups except the gloo twins of the
+    data-parallel groups, which are always gloo; None means the default
+    group's backend.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group() "
+            "before building process groups"
+        )
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(
+            f"layout.world_size is {layout.world_size} but torch.distributed has "
+            f"{dist.get_world_size()} ranks"
+        )
+    layout.coordinates(rank)  # validates rank
+
+    own: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    for kind in layout.group_kinds(gloo_data_parallel):
+        kind_backend = "gloo" if kind in GLOO_TWINS else backend
+        for ranks in layout.rank_groups(kind):
+            group = create_group(ranks, name=kind, backend=kind_backend, timeout=timeout)
+            if rank in ranks:
+                own[kind] = (group, tuple(ranks))
+
+    def group_of(kind: str) -> Any | None:
+        return own[kind][0] if kind in own else None
+
+    def ranks_of(kind: str) -> tuple[int, ...] | None:
+        return own[kind][1] if kind in own else None
+
+    return ProcessGroups(
+        layout=layout,
+        rank=rank,
+        **{kind: group_of(kind) for kind in _KIND_DIMENSIONS},
+        **{f"{kind}_ranks": ranks_of(kind) for kind in _KIND_DIMENSIONS},
+        embedding=group_of("embedding"),
+        embedding_ranks=ranks_of("embedding"),
+        position_embedding=group_of("position_embedding"),
+        position_embedding_ranks=ranks_of("position_embedding"),
+        dp_gloo=group_of("dp_gloo"),
+        dp_cp_gloo=group_of("dp_cp_gloo"),
+    )
+
+
+def destroy_process_groups(groups: ProcessGroups) -> None:
+    """Release the gloo groups in ``groups`` that torch.distributed still knows.
+
+    Only gloo groups are shut down: their teardown is local, whereas shutting
+    down NCCL communicators one by one can need all ranks to do it in step
+    (upstream leaves those to process exit too). Groups already released --
+    for example by destroying the default group -- are skipped.
+    """
+    if not dist.is_initialized():
+        return
+    for group in groups.held_groups():
+        try:
+            backend = dist.get_backend(group)
+        except ValueError:  # no longer registered with torch.distributed
+            continue
+        if backend == dist.Backend.GLOO:
+            dist.destroy_process_group(group)

@@ -1,0 +1,53 @@
+"""Helpers for reaching into wrapped models (megatron-core 0.11 names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _has_usable_attr(obj: Any, attr: str, allow_none: bool) -> bool:
+    if allow_none:
+        return hasattr(obj, attr)
+    return getattr(obj, attr, None) is not None
+
+
+def get_attr_wrapped_model(
+    model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False
+) -> Any:
+    """Look ``attr`` up on ``model``, descending through ``.module`` until some layer has it.
+
+    Wrappers (data-parallel, mixed-precision, ...) keep the real model in ``.module``, so
+    schedules call this to read e.g. ``config`` or ``set_input_tensor`` from whatever they
+    were handed. With ``allow_none=False`` a layer whose ``attr`` is None does not count and
+    the search goes on inward. Returns the attribute's value, or with ``return_model_obj``
+    the layer that holds it. Raises RuntimeError if no layer has it.
+    """
+    if isinstance(model, list):
+        raise RuntimeError(
+            f"get_attr_wrapped_model expects a single model, got a list of {len(model)} model "
+            "chunks; pass one chunk (e.g. model[0])"
+        )
+
+    current = model
+    visited = [type(current).__name__]
+    while not _has_usable_attr(current, attr, allow_none):
+        if not hasattr(current, "module"):
+            wanted = f"attribute {attr!r}" if allow_none else f"non-None attribute {attr!r}"
+            raise RuntimeError(
+                f"get_attr_wrapped_model found no {wanted} on the model or on any model "
+                f"wrapped inside it via .module (searched {' -> '.join(visited)})"
+            )
+        current = current.module
+        visited.append(type(current).__name__)
+
+    return current if return_model_obj else getattr(current, attr)
+
+
+def get_model_type(model: Any) -> Any:
+    """The ``model_type`` (a :class:`megatron.core.enums.ModelType`) of a possibly wrapped model."""
+    return get_attr_wrapped_model(model, "model_type")
+
+
+def get_model_config(model: Any) -> Any:
+    """The ``config`` of a possibly wrapped model; wrappers whose ``config`` is None are skipped."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)

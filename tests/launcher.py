@@ -1,0 +1,168 @@
+"""Run a function on N gloo ranks in spawned processes, with a hard deadline.
+
+Every rank is a child process of the test; the launcher only ever signals the
+pids it started. A rank that raises reports its traceback; a rank that is still
+running at the deadline dumps its Python stack (faulthandler) before it is
+killed, so a hang becomes a test failure that shows where each rank was stuck.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+# After one rank fails, its peers usually block on it; give them this long to
+# fail on their own (gloo notices the closed socket) before killing them.
+_GRACE_AFTER_FAILURE_S = 10.0
+
+
+class DistributedTestFailure(AssertionError):
+    """One or more ranks raised, died, or missed the deadline."""
+
+
+@dataclass
+class _RankOutcome:
+    status: str  # "ok", "error", "died", "timeout"
+    value: Any = None
+    detail: str = ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, env, init_pg):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    with open(stack_file, "w") as stack_out:
+        # Fires shortly before the parent's deadline so the dump is on disk when
+        # the parent reads it.
+        faulthandler.dump_traceback_later(max(1.0, timeout_s - 3.0), exit=False, file=stack_out)
+        try:
+            import torch.distributed as dist
+
+            if init_pg:
+                dist.init_process_group(
+                    "gloo",
+                    init_method=f"tcp://127.0.0.1:{port}",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+            value = fn(rank, world_size, *args)
+            conn.send(("ok", value))
+        except BaseException:  # report everything, including SystemExit
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            try:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:
+                pass
+            conn.close()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    init_process_group: bool = True,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    ``fn`` must be importable by the children (a module-level function). Returns
+    the per-rank return values; raises DistributedTestFailure naming each rank
+    that failed, died or timed out, with its traceback or stack dump.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    env = dict(env or {})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    tmpdir = tempfile.mkdtemp(prefix="ranks-")
+    procs, conns, stack_files = [], [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        stack_file = os.path.join(tmpdir, f"rank{rank}.stack")
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, tuple(args), timeout_s, stack_file, child_conn,
+                  env, init_process_group),
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+        stack_files.append(stack_file)
+
+    outcomes: dict[int, _RankOutcome] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = {conn: rank for rank, conn in enumerate(conns)}
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        ready = multiprocessing.connection.wait(list(pending), timeout=min(1.0, deadline - now))
+        for conn in ready:
+            rank = pending.pop(conn)
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                outcomes[rank] = _RankOutcome("died", detail=f"exit code {procs[rank].exitcode}")
+                continue
+            if status == "ok":
+                outcomes[rank] = _RankOutcome("ok", value=payload)
+            else:
+                outcomes[rank] = _RankOutcome("error", detail=payload)
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+
+    for conn, rank in pending.items():
+        outcomes[rank] = _RankOutcome("timeout")
+    for rank, proc in enumerate(procs):
+        # Ranks that reported are only tearing down; anything else is killed now.
+        if outcomes[rank].status in ("ok", "error"):
+            proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5.0)
+    for rank, outcome in outcomes.items():
+        if outcome.status == "timeout":
+            try:
+                with open(stack_files[rank]) as f:
+                    outcome.detail = f.read().strip() or "(no stack dump written)"
+            except OSError:
+                outcome.detail = "(no stack dump written)"
+
+    failed = {r: o for r, o in sorted(outcomes.items()) if o.status != "ok"}
+    if failed:
+        lines = [f"{len(failed)} of {world_size} ranks failed (deadline {timeout_s:.0f}s):"]
+        for rank, outcome in failed.items():
+            lines.append(f"--- rank {rank}: {outcome.status}")
+            if outcome.detail:
+                lines.append(outcome.detail)
+        raise DistributedTestFailure("\n".join(lines))
+    return [outcomes[r].value for r in range(world_size)]
