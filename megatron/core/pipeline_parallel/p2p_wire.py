@@ -1,0 +1,114 @@
+"""How a pipeline tensor is laid out on the wire, and the checks made on both ends.
+
+Fixed shapes (``variable_seq_lengths=False``): the tensor itself, nothing else. Both ends know
+its shape; the sender checks it before posting, so a wrong shape is an error on the rank that
+produced it rather than silent truncation or an abort on the peer.
+
+Variable shapes: the shape travels in a 64-byte header message posted right before the payload,
+in the same call, to the same peer. The receiver posts both at once: the header into a small
+buffer and the payload into a buffer sized for the largest tensor the call allows (the
+``tensor_shape`` every rank passes, i.e. (seq_length, micro_batch_size, hidden_size)). No
+extra round trip and no extra blocking phase, so variable lengths communicate exactly like
+fixed ones. NCCL needs matching counts on both ends, so there the payload is padded to that
+capacity; gloo accepts a shorter message into a larger buffer, so there it travels unpadded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from megatron.core.pipeline_parallel.ordering import Kind
+
+_MAGIC = 0x5AFE_91BE_0001
+_HEADER_WORDS = 8
+_MAX_NDIM = _HEADER_WORDS - 4
+_KIND_CODES = {Kind.ACTIVATION: 1, Kind.GRADIENT: 2}
+_KINDS_BY_CODE = {code: kind for kind, code in _KIND_CODES.items()}
+
+
+class PipelineShapeError(RuntimeError):
+    """A pipeline tensor does not have the shape both ends agreed on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoints:
+    """Who talks to whom, for error messages."""
+
+    sender: str
+    receiver: str
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def check_shape(actual: Sequence[int], expected: Sequence[int], *, variable: bool,
+                kind: Kind, ends: Endpoints, what: str) -> None:
+    """Raise PipelineShapeError unless ``actual`` fits ``expected``.
+
+    With variable lengths the first (sequence) dimension may be anything up to the expected
+    one; every other dimension must match exactly.
+    """
+    actual, expected = [int(d) for d in actual], [int(d) for d in expected]
+    if variable:
+        fits = (len(actual) == len(expected) and actual[1:] == expected[1:]
+                and 0 <= actual[0] <= expected[0])
+        wanted = "[<=" + _fmt(expected)[1:]
+    else:
+        fits = actual == expected
+        wanted = _fmt(expected)
+    if fits:
+        return
+    hint = ("the sequence dimension may vary only up to seq_length; raise --seq-length or "
+            "shorten the sample" if variable else
+            "if microbatches have different sequence lengths, enable variable_seq_lengths "
+            "(--variable-seq-lengths)")
+    raise PipelineShapeError(
+        f"pipeline {kind.value} {what}from {ends.sender} to {ends.receiver} has shape "
+        f"{_fmt(actual)} but the receiver expects {wanted} "
+        f"(seq_length, micro_batch_size, hidden_size); {hint}")
+
+
+def make_header(tensor: torch.Tensor, kind: Kind, microbatch: int | None) -> torch.Tensor:
+    if tensor.dim() > _MAX_NDIM:
+        raise PipelineShapeError(
+            f"pipeline tensors may have at most {_MAX_NDIM} dimensions, got {tensor.dim()}")
+    words = [_MAGIC, _KIND_CODES[kind], -1 if microbatch is None else microbatch, tensor.dim()]
+    words += list(tensor.shape) + [0] * (_MAX_NDIM - tensor.dim())
+    header = torch.tensor(words, dtype=torch.int64)
+    if tensor.device.type == "cuda":
+        header = header.pin_memory().to(tensor.device, non_blocking=True)
+    return header
+
+
+def empty_header(device: torch.device) -> torch.Tensor:
+    return torch.empty(_HEADER_WORDS, dtype=torch.int64, device=device)
+
+
+def read_header(words: Sequence[int], *, kind: Kind, ends: Endpoints) -> list[int]:
+    """The shape announced by a received header (as host integers), after checking it."""
+    if words[0] != _MAGIC:
+        raise PipelineShapeError(
+            f"{ends.receiver} received from {ends.sender} something that is not a pipeline "
+            f"tensor header (expected a {kind.value}): the peer runs another protocol or "
+            f"configuration (variable_seq_lengths must be the same on every rank)")
+    sent_kind = _KINDS_BY_CODE.get(words[1])
+    if sent_kind is not kind:
+        raise PipelineShapeError(
+            f"crossed pipeline messages: {ends.receiver} expected a {kind.value} from "
+            f"{ends.sender} but received a {sent_kind.value if sent_kind else 'corrupt header'}")
+    ndim = words[3]
+    if not 0 <= ndim <= _MAX_NDIM:
+        raise PipelineShapeError(f"corrupt pipeline header from {ends.sender}: ndim={ndim}")
+    return words[4:4 + ndim]
+
+
+def payload_view(buffer: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """The first ``prod(shape)`` elements of a receive buffer, as a tensor of ``shape``."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return buffer.view(-1)[:numel].view(*shape)

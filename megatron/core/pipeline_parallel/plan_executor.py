@@ -1,0 +1,229 @@
+"""Run one rank's plan (``schedule_plan``) with real model chunks and a real communicator.
+
+The executor is deliberately dumb: it does what the plan says, in order. All scheduling
+decisions live in the plan, which the simulator checks, so what is checked is what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megatron.core.pipeline_parallel.microbatch_step import (
+    backward_step, check_first_val_step, deallocate_output_tensor, forward_step,
+)
+from megatron.core.pipeline_parallel.ordering import Kind
+from megatron.core.pipeline_parallel.p2p_communication import (
+    P2PCommunicator, P2PMessage, PendingCall,
+)
+from megatron.core.pipeline_parallel.schedule_plan import (
+    Action, Compute, Phase, PlanSpec, Post, Transfer, Wait, input_transfer,
+)
+from megatron.core.utils import get_model_type
+
+
+@dataclasses.dataclass
+class ScheduleRun:
+    """Everything one schedule invocation needs on one rank."""
+
+    spec: PlanSpec
+    plan: Sequence[Action]
+    pipeline_rank: int
+    forward_step_func: Callable
+    data_iterators: Sequence[Any]
+    model_chunks: Sequence[torch.nn.Module]
+    config: Any
+    communicator: Optional[P2PCommunicator]
+    tensor_shape: Sequence[int]
+    collect_non_loss_data: bool = False
+    first_val_step: Optional[bool] = None
+    set_virtual_rank: Callable[[int], None] = lambda chunk: None
+
+
+class _GradSync:
+    """Gradient reductions stay off until each chunk's last backward (upstream semantics)."""
+
+    def __init__(self, config, model_chunks, enabled: bool):
+        self._chunks = model_chunks
+        self._grad_sync_func = config.grad_sync_func if enabled else None
+        no_sync = config.no_sync_func if enabled else None
+        if isinstance(no_sync, (list, tuple)):
+            funcs = list(no_sync)
+            no_sync = lambda: _enter_all(funcs)  # noqa: E731
+        self._no_sync = no_sync
+        self._context = None
+        if isinstance(self._grad_sync_func, (list, tuple)):
+            self._per_chunk = list(self._grad_sync_func)
+        elif self._grad_sync_func is not None:
+            self._per_chunk = [self._grad_sync_func] * len(model_chunks)
+        else:
+            self._per_chunk = None
+
+    def disable(self):
+        if self._no_sync is not None and self._context is None:
+            self._context = self._no_sync()
+            self._context.__enter__()
+
+    def enable(self):
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    @contextlib.contextmanager
+    def last_backward_of(self, chunk: int):
+        if self._per_chunk is None:
+            self.enable()  # let the wrapper's own hooks reduce during this backward
+            yield
+            self.disable()
+        else:
+            yield
+            self._per_chunk[chunk](self._chunks[chunk].parameters())
+
+
+def _enter_all(funcs):
+    stack = contextlib.ExitStack()
+    for func in funcs:
+        stack.enter_context(func())
+    return stack
+
+
+class PlanExecutor:
+    def __init__(self, run: ScheduleRun):
+        self.run = run
+        self.spec = run.spec
+        self.forward_only = run.spec.forward_only
+        self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.output_shapes: dict[tuple[int, int], torch.Size] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: dict[Transfer, PendingCall] = {}
+        self.arrived: dict[Transfer, torch.Tensor] = {}
+        self.forward_data_store: list = []
+        device = run.communicator.device if run.communicator is not None else torch.device("cpu")
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        self.model_type = get_model_type(run.model_chunks[0])
+        self.grad_sync = _GradSync(run.config, run.model_chunks, enabled=not self.forward_only)
+        self.param_synced: set[int] = set()
+
+    def _stage(self, chunk: int) -> int:
+        return self.spec.stage(self.run.pipeline_rank, chunk)
+
+    def _local(self, transfer: Transfer, sending: bool) -> tuple[int, int]:
+        stage = transfer.src_stage if sending else transfer.dst_stage
+        return stage // self.spec.pipeline_size, transfer.microbatch
+
+    def execute(self) -> list:
+        run = self.run
+        if not self.forward_only:
+            self.grad_sync.disable()
+        for action in run.plan:
+            if isinstance(action, Compute):
+                if action.phase is Phase.FORWARD:
+                    self._forward(action)
+                else:
+                    self._backward(action)
+            elif isinstance(action, Post):
+                self._post(action.transfers)
+            elif isinstance(action, Wait):
+                for transfer in action.transfers:
+                    self._wait(transfer)
+        self.grad_sync.enable()
+        config = run.config
+        if not self.forward_only and config.finalize_model_grads_func is not None:
+            per_token = getattr(config, "calculate_per_token_loss", False)
+            config.finalize_model_grads_func(
+                list(run.model_chunks), self.total_num_tokens if per_token else None)
+        return self.forward_data_store
+
+    def _message(self, transfer: Transfer) -> P2PMessage:
+        rank, size = self.run.pipeline_rank, self.spec.pipeline_size
+        op = transfer.peer_op(rank, size)
+        what = f"of microbatch {transfer.microbatch} (stage {transfer.src_stage}->{transfer.dst_stage}) "
+        shape = tuple(self.run.tensor_shape)
+        if op.is_send:
+            key = self._local(transfer, sending=True)
+            tensor = (self.outputs[key] if transfer.kind is Kind.ACTIVATION
+                      else self.input_grads.pop(key))
+            return P2PMessage(op, tensor=tensor, shape=shape, microbatch=transfer.microbatch,
+                              what=what)
+        exact = False
+        if transfer.kind is Kind.GRADIENT and self.run.config.variable_seq_lengths:
+            # The gradient of an output has that output's shape, known here exactly.
+            shape, exact = tuple(self.output_shapes[self._local(transfer, sending=False)]), True
+        return P2PMessage(op, shape=shape, exact=exact, microbatch=transfer.microbatch, what=what)
+
+    def _post(self, transfers: Sequence[Transfer]) -> None:
+        call = self.run.communicator.post([self._message(t) for t in transfers])
+        for transfer in transfers:
+            self.pending[transfer] = call
+
+    def _wait(self, transfer: Transfer) -> None:
+        call = self.pending.pop(transfer, None)
+        if call is None:
+            return
+        rank, size = self.run.pipeline_rank, self.spec.pipeline_size
+        op = transfer.peer_op(rank, size)
+        received = call.wait(op)
+        if not op.is_send:
+            self.arrived[transfer] = received
+        elif transfer.kind is Kind.ACTIVATION:
+            # Sent: forward-only runs drop the output; training keeps only its graph (if asked).
+            # With overlap the backward may already have consumed it.
+            key = self._local(transfer, sending=True)
+            if self.forward_only:
+                self.outputs.pop(key, None)
+            elif key in self.outputs:
+                deallocate_output_tensor(self.outputs[key],
+                                         self.run.config.deallocate_pipeline_outputs)
+
+    def _received(self, compute: Compute) -> Optional[torch.Tensor]:
+        needed = input_transfer(self.spec, self.run.pipeline_rank, compute)
+        if needed is None:
+            return None
+        self._wait(needed)  # a no-op when the plan already waited for it
+        return self.arrived.pop(needed)
+
+    def _forward(self, compute: Compute) -> None:
+        run, chunk, mb = self.run, compute.chunk, compute.microbatch
+        key = (chunk, mb)
+        input_tensor = self._received(compute)
+        if not self.forward_only and chunk not in self.param_synced:
+            self.param_synced.add(chunk)
+            if run.config.param_sync_func is not None:
+                funcs = run.config.param_sync_func
+                func = funcs[chunk] if isinstance(funcs, (list, tuple)) else funcs
+                func(run.model_chunks[chunk].parameters())
+        run.set_virtual_rank(chunk)
+        is_last = self._stage(chunk) == self.spec.num_stages - 1
+        output, num_tokens = forward_step(
+            run.forward_step_func, run.data_iterators[chunk], run.model_chunks[chunk],
+            self.spec.num_microbatches, input_tensor, self.forward_data_store, run.config,
+            run.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(run.first_val_step, self.forward_only, mb == 0),
+            current_microbatch=mb, is_last_stage=is_last)
+        self.total_num_tokens += torch.as_tensor(num_tokens).to(self.total_num_tokens.device).int()
+        if not self.forward_only:
+            self.inputs[key] = input_tensor
+            self.outputs[key] = output
+        elif not is_last:
+            self.outputs[key] = output
+        if not is_last:
+            self.output_shapes[key] = output.shape
+
+    def _backward(self, compute: Compute) -> None:
+        run, chunk, mb = self.run, compute.chunk, compute.microbatch
+        key = (chunk, mb)
+        output_grad = self._received(compute)
+        run.set_virtual_rank(chunk)
+        input_tensor, output = self.inputs.pop(key), self.outputs.pop(key)
+        self.output_shapes.pop(key, None)
+        last = mb == self.spec.num_microbatches - 1
+        sync = self.grad_sync.last_backward_of(chunk) if last else contextlib.nullcontext()
+        with sync:
+            input_grad = backward_step(input_tensor, output, output_grad, self.model_type,
+                                       run.config)
+        if self._stage(chunk) > 0:
+            self.input_grads[key] = input_grad
