@@ -166,3 +166,29 @@ def run_ranks(
                 lines.append(outcome.detail)
         raise DistributedTestFailure("\n".join(lines))
     return [outcomes[r].value for r in range(world_size)]
+
+
+def run_torchrun(script: str, nproc: int, *, args: Sequence[str] = (), timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None):
+    """Launch ``script`` as users do (``torchrun --standalone``) and return the completed process.
+
+    torchrun and its workers run in a session of their own, so on timeout the whole session
+    (our child and its descendants, nothing else) is killed and the output so far reported.
+    """
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", script, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=full_env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise DistributedTestFailure(
+            f"{' '.join(command)} did not finish within {timeout_s:.0f}s; output:\n{output}")
+    return subprocess.CompletedProcess(command, proc.returncode, output, None)
