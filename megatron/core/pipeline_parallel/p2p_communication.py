@@ -318,11 +318,12 @@ def _communicate(config: ModelParallelConfig, *, send_next=None, send_prev=None,
             "overlapped p2p calls return their receive buffers before the data lands, which "
             "cannot carry a shape that is only known on arrival: with variable_seq_lengths use "
             "the schedules from get_forward_backward_func(), which overlap without this API")
+    # Upstream passes one tensor_shape for everything a call moves: check the sends against it.
     messages = []
     if send_next is not None:
-        messages.append(P2PMessage(PeerOp.SEND_NEXT, tensor=send_next))
+        messages.append(P2PMessage(PeerOp.SEND_NEXT, tensor=send_next, shape=tensor_shape))
     if send_prev is not None:
-        messages.append(P2PMessage(PeerOp.SEND_PREV, tensor=send_prev))
+        messages.append(P2PMessage(PeerOp.SEND_PREV, tensor=send_prev, shape=tensor_shape))
     if recv_prev:
         messages.append(P2PMessage(PeerOp.RECV_PREV, shape=tensor_shape))
     if recv_next:

@@ -41,6 +41,10 @@ class Endpoints:
     receiver: str
 
 
+def _a(kind: Kind) -> str:
+    return ("an " if kind.value[0] in "aeiou" else "a ") + kind.value
+
+
 def _fmt(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
@@ -93,13 +97,13 @@ def read_header(words: Sequence[int], *, kind: Kind, ends: Endpoints) -> list[in
     if words[0] != _MAGIC:
         raise PipelineShapeError(
             f"{ends.receiver} received from {ends.sender} something that is not a pipeline "
-            f"tensor header (expected a {kind.value}): the peer runs another protocol or "
+            f"tensor header (expected the header of {_a(kind)}): the peer runs another protocol or "
             f"configuration (variable_seq_lengths must be the same on every rank)")
     sent_kind = _KINDS_BY_CODE.get(words[1])
     if sent_kind is not kind:
         raise PipelineShapeError(
-            f"crossed pipeline messages: {ends.receiver} expected a {kind.value} from "
-            f"{ends.sender} but received a {sent_kind.value if sent_kind else 'corrupt header'}")
+            f"crossed pipeline messages: {ends.receiver} expected {_a(kind)} from "
+            f"{ends.sender} but received {_a(sent_kind) if sent_kind else 'a corrupt header'}")
     ndim = words[3]
     if not 0 <= ndim <= _MAX_NDIM:
         raise PipelineShapeError(f"corrupt pipeline header from {ends.sender}: ndim={ndim}")
