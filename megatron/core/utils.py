@@ -1,7 +1,8 @@
-"""Helpers for reaching into wrapped models (megatron-core 0.11 names)."""
+"""Small helpers shared across megatron.core (megatron-core 0.11 names where they exist)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 
@@ -51,3 +52,17 @@ def get_model_type(model: Any) -> Any:
 def get_model_config(model: Any) -> Any:
     """The ``config`` of a possibly wrapped model; wrappers whose ``config`` is None are skipped."""
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+@contextlib.contextmanager
+def timer_span(config, name: str, log_level: int = 2):
+    """Time a block with ``config.timers`` (upstream's Timers protocol) when one is set."""
+    timers = getattr(config, "timers", None)
+    if timers is None:
+        yield
+        return
+    timers(name, log_level=log_level).start()
+    try:
+        yield
+    finally:
+        timers(name).stop()

@@ -7,7 +7,7 @@ milliseconds). Tolerance: 1e-6 relative, fp32.
 import pytest
 
 from tests.distributed.pipeline_cases import Case, matrix, run_cases
-from tests.launcher import DistributedTestFailure, run_ranks
+from tests.launcher import run_ranks
 
 TOLERANCE = 1e-6
 

@@ -1,7 +1,5 @@
 """Bad pipeline configurations fail fast, on every rank, with a message naming the cause."""
 
-import torch
-
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tests.distributed.pipeline_cases import HIDDEN, MBS, SEQ, Case, config_for

@@ -7,7 +7,7 @@ import pytest
 
 from megatron.core.pipeline_parallel.ordering import Kind
 from megatron.core.pipeline_parallel.schedule_plan import (
-    Compute, Phase, PlanSpec, Post, Transfer, Wait, build_all_plans, build_plan,
+    Compute, PlanSpec, Post, Transfer, Wait, build_all_plans, build_plan,
     compute_order, format_plan, forward_table, timetable, warmup_count,
 )
 from megatron.core.pipeline_parallel.simulate import PlanError, check_spec, simulate

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import get_attr_wrapped_model, timer_span
 
 
 def _last_stage_from_state() -> bool:
@@ -71,19 +71,6 @@ def _autocast(config) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, dtype=config.autocast_dtype)
 
 
-@contextlib.contextmanager
-def _timer(config, name: str):
-    timers = getattr(config, "timers", None)
-    if timers is None:
-        yield
-        return
-    timers(name, log_level=2).start()
-    try:
-        yield
-    finally:
-        timers(name).stop()
-
-
 def forward_step(
     forward_step_func: Callable,
     data_iterator: Any,
@@ -112,7 +99,7 @@ def forward_step(
         raise ValueError("encoder-decoder models are not supported by this tree")
     if is_last_stage is None:
         is_last_stage = _last_stage_from_state()
-    with _timer(config, "forward-compute"):
+    with timer_span(config, "forward-compute"):
         if is_first_microbatch and hasattr(model, "set_is_first_microbatch"):
             model.set_is_first_microbatch()
         if current_microbatch is not None:
@@ -155,7 +142,7 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     ``config.grad_scale_func`` (loss scaling) applies.
     """
     del model_type  # encoder-decoder skip connections are not supported
-    with _timer(config, "backward-compute"):
+    with timer_span(config, "backward-compute"):
         if input_tensor is not None:
             input_tensor.retain_grad()
         if output_tensor_grad is None and config.grad_scale_func is not None:

@@ -16,7 +16,7 @@ from megatron.core.pipeline_parallel.microbatch_step import (
     backward_step, check_first_val_step, deallocate_output_tensor, forward_step,
 )
 from megatron.core.pipeline_parallel.ordering import Kind
-from megatron.core.pipeline_parallel.p2p_communication import (
+from megatron.core.pipeline_parallel.p2p_communicator import (
     P2PCommunicator, P2PMessage, PendingCall,
 )
 from megatron.core.pipeline_parallel.schedule_plan import (

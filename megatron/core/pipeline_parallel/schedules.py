@@ -18,16 +18,24 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-
 from megatron.core.enums import ModelType
-from megatron.core.pipeline_parallel.microbatch_step import (  # noqa: F401  (public re-exports)
+from megatron.core.pipeline_parallel.microbatch_step import (
     backward_step, check_first_val_step, custom_backward, deallocate_output_tensor,
     forward_step, set_current_microbatch,
 )
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator
 from megatron.core.pipeline_parallel.plan_executor import PlanExecutor, ScheduleRun
 from megatron.core.pipeline_parallel.schedule_plan import PlanSpec, build_plan, timetable
 from megatron.core.utils import get_model_config, get_model_type
+
+# Upstream exposes the per-microbatch helpers from this module too.
+__all__ = [
+    "get_forward_backward_func", "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving", "forward_step", "backward_step",
+    "custom_backward", "deallocate_output_tensor", "check_first_val_step",
+    "set_current_microbatch",
+]
 
 
 def get_forward_backward_func() -> Callable:

@@ -1,0 +1,240 @@
+"""Posting the p2p operations of one pipeline call, and completing them.
+
+``P2PCommunicator.post`` orders a call's operations by the rule in ``ordering``, encodes each
+tensor as ``p2p_wire`` says, posts them batched or one by one on the pipeline group, and
+returns a ``PendingCall`` whose ``wait`` completes one operation (decoding and checking a
+received shape header) without waiting for the others. See ``p2p_communication`` for why
+calls built this way neither cross nor deadlock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.pipeline_parallel import p2p_wire
+from megatron.core.pipeline_parallel.ordering import PeerOp, order_ops
+
+
+@dataclasses.dataclass
+class P2PMessage:
+    """One operation of a call.
+
+    ``shape`` is, for a receive, the expected shape (with variable sequence lengths: the
+    largest allowed one, unless ``exact``); for a send, the shape the receiver expects, when
+    known, so that a mismatch is reported by the sender before anything is posted.
+    """
+
+    op: PeerOp
+    tensor: Optional[torch.Tensor] = None
+    shape: Optional[Sequence[int]] = None
+    exact: bool = False
+    microbatch: Optional[int] = None
+    what: str = ""
+
+
+class _Work:
+    """A posted operation's work, waited at most once (gloo hangs on a second wait)."""
+
+    def __init__(self, work):
+        self._work, self._done = work, False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._work.wait()
+            self._done = True
+
+
+@dataclasses.dataclass
+class _Posted:
+    message: P2PMessage
+    works: list
+    header: Optional[torch.Tensor] = None
+    buffer: Optional[torch.Tensor] = None
+    result: Optional[torch.Tensor] = None
+    done: bool = False
+
+
+class P2PCommunicator:
+    """Posts pipeline p2p calls on one pipeline group."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, config: ModelParallelConfig):
+        self.pp_group = pp_group
+        self.config = config
+        self.pipeline_rank = dist.get_rank(pp_group)
+        self.pipeline_size = dist.get_world_size(pp_group)
+        if self.pipeline_rank < 0:
+            raise RuntimeError("this rank is not a member of the pipeline group it was given")
+        self.next_rank = dist.get_global_rank(pp_group, (self.pipeline_rank + 1) % self.pipeline_size)
+        self.prev_rank = dist.get_global_rank(pp_group, (self.pipeline_rank - 1) % self.pipeline_size)
+        backend = str(dist.get_backend(pp_group))
+        self._uses_nccl = "nccl" in backend
+        if self._uses_nccl and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self._header_stream = None
+
+    @property
+    def is_pp_first_stage(self) -> bool:
+        return self.pipeline_rank == 0
+
+    @property
+    def is_pp_last_stage(self) -> bool:
+        return self.pipeline_rank == self.pipeline_size - 1
+
+    def _describe(self, pipeline_rank: int) -> str:
+        global_rank = dist.get_global_rank(self.pp_group, pipeline_rank)
+        return f"pipeline rank {pipeline_rank} (global rank {global_rank})"
+
+    def _endpoints(self, op: PeerOp) -> p2p_wire.Endpoints:
+        me = self._describe(self.pipeline_rank)
+        peer = self._describe(op.peer(self.pipeline_rank, self.pipeline_size))
+        return p2p_wire.Endpoints(sender=me, receiver=peer) if op.is_send else \
+            p2p_wire.Endpoints(sender=peer, receiver=me)
+
+    def post(self, messages: Sequence[P2PMessage]) -> "PendingCall":
+        """Post one call's operations (in the rule's order) without waiting for them."""
+        seen = set()
+        for message in messages:
+            if message.op in seen:
+                raise ValueError(f"one pipeline p2p call may carry {message.op.value} only once")
+            seen.add(message.op)
+        ordered = order_ops(((m.op, m) for m in messages), self.pipeline_rank)
+        variable = self.config.variable_seq_lengths
+        posted: list[_Posted] = []
+        ops: list[tuple[_Posted, object, torch.Tensor, int]] = []
+        for op, message in ordered:
+            entry = _Posted(message, works=[])
+            peer = self.next_rank if op.towards_next else self.prev_rank
+            if op.is_send:
+                for tensor in self._wire_tensors_to_send(message, variable):
+                    ops.append((entry, dist.isend, tensor, peer))
+            else:
+                if variable:
+                    entry.header = p2p_wire.empty_header(self.device)
+                    ops.append((entry, dist.irecv, entry.header, peer))
+                entry.buffer = self._receive_buffer(message)
+                ops.append((entry, dist.irecv, entry.buffer, peer))
+            posted.append(entry)
+
+        if self.config.batch_p2p_comm and ops:
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(fn, tensor, peer, self.pp_group) for _, fn, tensor, peer in ops])
+            # A batch completes as a whole; every entry waits for all of it.
+            shared = [_Work(work) for work in works]
+            for entry in posted:
+                entry.works = shared
+        else:
+            for entry, fn, tensor, peer in ops:
+                entry.works.append(_Work(fn(tensor, peer, group=self.pp_group)))
+        return PendingCall(self, posted)
+
+    def _wire_tensors_to_send(self, message: P2PMessage, variable: bool) -> list[torch.Tensor]:
+        tensor = message.tensor
+        if tensor is None:
+            raise ValueError(f"{message.op.value} needs a tensor to send")
+        kind = message.op.kind
+        dtype = self.config.pipeline_dtype
+        if dtype is not None and tensor.dtype != dtype:
+            raise p2p_wire.PipelineShapeError(
+                f"pipeline {kind.value} {message.what}from {self._endpoints(message.op).sender} has "
+                f"dtype {tensor.dtype} but pipeline_dtype is {dtype}; the receiver would "
+                f"misread it. Set pipeline_dtype to the dtype the model chunks exchange")
+        if message.shape is not None:
+            p2p_wire.check_shape(tensor.shape, message.shape, variable=variable, kind=kind,
+                                 ends=self._endpoints(message.op), what=message.what)
+        tensor = tensor.detach().contiguous()
+        if not variable:
+            return [tensor]
+        header = p2p_wire.make_header(tensor, kind, message.microbatch)
+        if not self._uses_nccl:
+            return [header, tensor]
+        # NCCL matches element counts, so the payload fills the receiver's whole buffer.
+        if message.shape is None:
+            raise ValueError(
+                f"variable_seq_lengths over NCCL: {message.op.value} needs the maximum tensor "
+                f"shape (tensor_shape=(seq_length, micro_batch_size, hidden_size)) to size the "
+                f"message; the schedules pass it, direct callers must too")
+        capacity = torch.empty(int(torch.Size(message.shape).numel()), dtype=tensor.dtype,
+                               device=tensor.device)
+        capacity[: tensor.numel()].copy_(tensor.view(-1))
+        return [header, capacity]
+
+    def _receive_buffer(self, message: P2PMessage) -> torch.Tensor:
+        if message.shape is None:
+            raise ValueError(
+                f"{message.op.value} needs tensor_shape; the common one is "
+                f"(seq_length, micro_batch_size, hidden_size)")
+        if self.config.pipeline_dtype is None:
+            raise ValueError("receiving pipeline tensors needs config.pipeline_dtype")
+        if self.config.variable_seq_lengths:
+            numel = int(torch.Size(message.shape).numel())
+            return torch.empty(numel, dtype=self.config.pipeline_dtype, device=self.device)
+        return torch.empty(tuple(message.shape), dtype=self.config.pipeline_dtype,
+                           device=self.device, requires_grad=True)
+
+    def _header_words(self, entry: _Posted) -> list[int]:
+        if entry.header.device.type != "cuda":
+            for work in entry.works:
+                work.wait()
+            return entry.header.tolist()
+        # Learn the shape as soon as this receive landed, without draining the compute stream.
+        if self._header_stream is None:
+            self._header_stream = torch.cuda.Stream(device=entry.header.device)
+        host = torch.empty(entry.header.shape, dtype=entry.header.dtype, pin_memory=True)
+        with torch.cuda.stream(self._header_stream):
+            for work in entry.works:
+                work.wait()
+            host.copy_(entry.header, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+        landed.synchronize()
+        return host.tolist()
+
+    def _finish(self, entry: _Posted) -> None:
+        message = entry.message
+        if not message.op.is_send and self.config.variable_seq_lengths:
+            ends = self._endpoints(message.op)
+            kind = message.op.kind
+            shape = p2p_wire.read_header(self._header_words(entry), kind=kind, ends=ends)
+            p2p_wire.check_shape(shape, message.shape, variable=not message.exact, kind=kind,
+                                 ends=ends, what=message.what)
+            received = p2p_wire.payload_view(entry.buffer, shape)
+            entry.result = received.detach().requires_grad_(True)
+        else:
+            entry.result = entry.buffer
+        for work in entry.works:
+            work.wait()
+        entry.done = True
+
+
+class PendingCall:
+    """The operations of one posted call; ``wait`` completes them."""
+
+    def __init__(self, communicator: P2PCommunicator, posted: list[_Posted]):
+        self._communicator = communicator
+        self._by_op = {entry.message.op: entry for entry in posted}
+
+    @property
+    def ops(self) -> tuple[PeerOp, ...]:
+        return tuple(self._by_op)
+
+    def wait(self, op: PeerOp) -> Optional[torch.Tensor]:
+        """Wait for one operation; return the received tensor (None for a send)."""
+        entry = self._by_op[op]
+        if not entry.done:
+            self._communicator._finish(entry)
+        return entry.result
+
+    def wait_all(self) -> dict[PeerOp, Optional[torch.Tensor]]:
+        return {op: self.wait(op) for op in self._by_op}
+
+    def buffer(self, op: PeerOp) -> Optional[torch.Tensor]:
+        """The buffer a receive lands in (None when the call has no such receive)."""
+        entry = self._by_op.get(op)
+        return None if entry is None else entry.buffer
