@@ -192,3 +192,57 @@ def run_torchrun(script: str, nproc: int, *, args: Sequence[str] = (), timeout_s
         raise DistributedTestFailure(
             f"{' '.join(command)} did not finish within {timeout_s:.0f}s; output:\n{output}")
     return subprocess.CompletedProcess(command, proc.returncode, output, None)
+
+
+@dataclass
+class ProcessOutcome:
+    returncode: int | None  # None: killed at the deadline
+    output: str
+    seconds: float
+
+
+def run_processes(argv_per_rank: Sequence[Sequence[str]], *, world_size: int | None = None,
+                  ranks: Sequence[int] | None = None, timeout_s: float = 120.0,
+                  env_per_rank: Sequence[dict[str, str]] | None = None) -> list[ProcessOutcome]:
+    """Start one process per entry of ``argv_per_rank`` as ranks of one job, like a launcher.
+
+    ``ranks`` (default 0..n-1) and ``world_size`` (default n) let a test leave ranks out.
+    Each process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Processes
+    still running at the deadline are killed (only these, by pid).
+    """
+    import subprocess
+    import sys
+
+    ranks = list(ranks if ranks is not None else range(len(argv_per_rank)))
+    world_size = world_size if world_size is not None else len(argv_per_rank)
+    port = free_port()
+    logs = tempfile.mkdtemp(prefix="procs-")
+    procs, files = [], []
+    start = time.monotonic()
+    for index, (rank, argv) in enumerate(zip(ranks, argv_per_rank)):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               **((env_per_rank or [{}] * len(ranks))[index])}
+        # Files, not pipes: a chatty process must never block on a pipe nobody reads yet.
+        log = open(os.path.join(logs, f"rank{rank}.log"), "w+")
+        files.append(log)
+        procs.append(subprocess.Popen([sys.executable, *argv], stdout=log,
+                                      stderr=subprocess.STDOUT, text=True, env=env))
+    deadline = start + timeout_s
+    finished: dict[int, float] = {}
+    while len(finished) < len(procs) and time.monotonic() < deadline:
+        for index, proc in enumerate(procs):
+            if index not in finished and proc.poll() is not None:
+                finished[index] = time.monotonic() - start
+        time.sleep(0.05)
+    outcomes = []
+    for index, (proc, log) in enumerate(zip(procs, files)):
+        if index not in finished:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        outcomes.append(ProcessOutcome(proc.returncode if index in finished else None,
+                                       log.read(), finished.get(index, timeout_s)))
+        log.close()
+    return outcomes

@@ -396,6 +396,20 @@ class ProcessGroups:
         return held
 
 
+def planned_groups(layout: ParallelLayout, *, backend: str | None = None,
+                   gloo_data_parallel: bool = True) -> list[CreatedGroup]:
+    """Every group ``build_process_groups`` creates, in creation order, without creating any.
+
+    Ranks compare this list before creating anything: a rank whose list differs would block
+    the others for ever inside ``new_group``.
+    """
+    return [
+        CreatedGroup(kind, tuple(ranks), "gloo" if kind in GLOO_TWINS else backend)
+        for kind in layout.group_kinds(gloo_data_parallel)
+        for ranks in layout.rank_groups(kind)
+    ]
+
+
 def build_process_groups(
     layout: ParallelLayout,
     rank: int,
@@ -424,12 +438,11 @@ def build_process_groups(
     layout.coordinates(rank)  # validates rank
 
     own: dict[str, tuple[Any, tuple[int, ...]]] = {}
-    for kind in layout.group_kinds(gloo_data_parallel):
-        kind_backend = "gloo" if kind in GLOO_TWINS else backend
-        for ranks in layout.rank_groups(kind):
-            group = create_group(ranks, name=kind, backend=kind_backend, timeout=timeout)
-            if rank in ranks:
-                own[kind] = (group, tuple(ranks))
+    for planned in planned_groups(layout, backend=backend, gloo_data_parallel=gloo_data_parallel):
+        group = create_group(planned.ranks, name=planned.name, backend=planned.backend,
+                             timeout=timeout)
+        if rank in planned.ranks:
+            own[planned.name] = (group, planned.ranks)
 
     def group_of(kind: str) -> Any | None:
         return own[kind][0] if kind in own else None

@@ -1,0 +1,117 @@
+"""Start-up either succeeds on every rank or fails on every rank, in bounded time, saying why.
+
+Each rank is a separate process started like a launcher would (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), running ``initialize_megatron`` on its own command line.
+"""
+
+import json
+import os
+import re
+
+import pytest
+
+from tests.launcher import run_processes
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "start_megatron.py")
+TIMEOUT_S = 8
+# The issue's bound: every failure ends within the configured start-up timeout + 30 s.
+BOUND_S = TIMEOUT_S + 30
+BASE = [SCRIPT, "--distributed-backend", "gloo",
+        "--distributed-startup-timeout-seconds", str(TIMEOUT_S)]
+
+
+def started(outcome) -> dict:
+    assert outcome.returncode == 0, outcome.output
+    match = re.search(r"STARTED (\{.*\})", outcome.output)
+    assert match, outcome.output
+    return json.loads(match.group(1))
+
+
+def failure(outcome) -> str:
+    assert outcome.returncode not in (0, None), outcome.output
+    assert outcome.seconds <= BOUND_S, outcome
+    match = re.search(r"STARTUP-ERROR after [0-9.]+s: (.*)", outcome.output)
+    assert match, outcome.output
+    return match.group(1)
+
+
+@pytest.mark.parametrize("world,flags,expect", [
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+     dict(tp=2, pp=2, dp=1, vpp=None)),
+    (4, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+         "--num-layers-per-virtual-pipeline-stage", "1"], dict(tp=1, pp=4, dp=1, vpp=2)),
+    (4, ["--tensor-model-parallel-size", "4"], dict(tp=4, pp=1, dp=1, vpp=None)),
+    (4, [], dict(tp=1, pp=1, dp=4, vpp=None)),
+    (4, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
+     dict(tp=1, pp=2, dp=2, vpp=2)),
+    (3, ["--pipeline-model-parallel-size", "3"], dict(tp=1, pp=3, dp=1, vpp=None)),
+])
+def test_normal_start_up(world, flags, expect):
+    outcomes = run_processes([BASE + flags] * world, timeout_s=90)
+    reports = [started(o) for o in outcomes]
+    for rank, report in enumerate(reports):
+        assert report["rank"] == rank
+        assert {k: report[k] for k in expect} == expect
+    assert all(r["groups"] == reports[0]["groups"] for r in reports)
+
+
+def test_ranks_started_with_different_pipeline_sizes_both_fail_naming_the_flag():
+    outcomes = run_processes([BASE + ["--pipeline-model-parallel-size", "2"],
+                              BASE + ["--pipeline-model-parallel-size", "1"]], timeout_s=90)
+    for outcome in outcomes:
+        message = failure(outcome)
+        assert "--pipeline-model-parallel-size: 2 on rank(s) [0]; 1 on rank(s) [1]" in message
+
+
+def test_a_rank_creating_groups_in_another_order_fails_everywhere_before_any_group_exists():
+    outcomes = run_processes([BASE + ["--pipeline-model-parallel-size", "2"]] * 4,
+                             env_per_rank=[{}, {}, {"INJECT_REORDERED_GROUPS": "1"}, {}],
+                             timeout_s=90)
+    for outcome in outcomes:
+        message = failure(outcome)
+        assert "process group #0" in message and "on rank(s) [2]" in message
+        assert "on rank(s) [0, 1, 3]" in message
+
+
+def test_a_missing_rank_is_named_by_every_present_rank():
+    outcomes = run_processes([BASE, BASE], world_size=3, timeout_s=90)
+    for outcome in outcomes:
+        message = failure(outcome)
+        assert "rank(s) [2] of 3 never reached the rendezvous" in message
+        assert outcome.seconds >= TIMEOUT_S - 1  # it waited as configured, then gave up
+
+
+def test_a_missing_store_host_is_reported_by_every_present_rank():
+    outcomes = run_processes([BASE, BASE], ranks=[1, 2], world_size=3, timeout_s=90)
+    for rank, outcome in zip((1, 2), outcomes):
+        message = failure(outcome)
+        assert f"rank {rank} could not reach the rendezvous store" in message
+        assert "rank 0, which hosts it, did not start" in message
+
+
+def test_a_rank_that_cannot_go_on_stops_the_others_at_once():
+    outcomes = run_processes([BASE, BASE], env_per_rank=[{}, {"INJECT_DEVICE_FAILURE": "1"}],
+                             timeout_s=90)
+    for outcome in outcomes:
+        assert "injected: no usable device on this rank" in failure(outcome)
+        assert outcome.seconds < TIMEOUT_S  # nobody waited for the deadline
+
+
+def test_a_world_that_does_not_factor_is_refused_before_any_communication():
+    outcomes = run_processes([BASE + ["--tensor-model-parallel-size", "2"]] * 3, timeout_s=90)
+    for outcome in outcomes:
+        assert outcome.returncode not in (0, None)
+        assert outcome.seconds < TIMEOUT_S
+        assert ("the world size (3 ranks, $WORLD_SIZE) is not divisible by "
+                "--tensor-model-parallel-size 2") in outcome.output
+
+
+def test_start_up_inside_an_existing_process_group_seeds_each_stage_differently():
+    from tests.distributed.startup_cases import start_inside_existing_process_group
+    from tests.launcher import run_ranks
+
+    reports = run_ranks(start_inside_existing_process_group, 4, timeout_s=90)
+    assert [r["pp_rank"] for r in reports] == [0, 0, 1, 1]
+    assert all(r["dp"] == 2 and r["world"] == 4 for r in reports)
+    # Data-parallel replicas draw the same numbers; pipeline stages differ.
+    assert reports[0]["draw"] == reports[1]["draw"] != reports[2]["draw"] == reports[3]["draw"]
