@@ -10,7 +10,7 @@ calls built this way neither cross nor deadlock.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ class P2PMessage:
     exact: bool = False
     microbatch: Optional[int] = None
     what: str = ""
+    tag: Any = None  # the logical identity of the transfer (schedules: a schedule_plan.Transfer)
 
 
 class _Work:
@@ -223,6 +224,10 @@ class PendingCall:
     @property
     def ops(self) -> tuple[PeerOp, ...]:
         return tuple(self._by_op)
+
+    def poll(self, op: PeerOp) -> bool:
+        """Whether ``wait(op)`` can be called now; it blocks until done, so always True."""
+        return True
 
     def wait(self, op: PeerOp) -> Optional[torch.Tensor]:
         """Wait for one operation; return the received tensor (None for a send)."""

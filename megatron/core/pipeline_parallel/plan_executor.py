@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -116,11 +116,26 @@ class PlanExecutor:
         return stage // self.spec.pipeline_size, transfer.microbatch
 
     def execute(self) -> list:
+        """Run the plan to the end; return what the loss functions reported (last stage)."""
+        for transfer in self.steps():
+            raise RuntimeError(f"the communicator cannot complete {transfer}")  # never: it blocks
+        return self.forward_data_store
+
+    def steps(self) -> Iterator[Transfer]:
+        """Run the plan, yielding each transfer the communicator cannot complete yet.
+
+        A real communicator completes every wait by blocking, so this never yields; the
+        verifier's recording communicator does not block, and runs all ranks' executors in one
+        thread by resuming each one once what it waits for was posted by its peer.
+        """
         run = self.run
         if not self.forward_only:
             self.grad_sync.disable()
         for action in run.plan:
             if isinstance(action, Compute):
+                needed = input_transfer(self.spec, run.pipeline_rank, action)
+                if needed is not None:
+                    yield from self._await(needed)
                 if action.phase is Phase.FORWARD:
                     self._forward(action)
                 else:
@@ -129,14 +144,13 @@ class PlanExecutor:
                 self._post(action.transfers)
             elif isinstance(action, Wait):
                 for transfer in action.transfers:
-                    self._wait(transfer)
+                    yield from self._await(transfer)
         self.grad_sync.enable()
         config = run.config
         if not self.forward_only and config.finalize_model_grads_func is not None:
             per_token = getattr(config, "calculate_per_token_loss", False)
             config.finalize_model_grads_func(
                 list(run.model_chunks), self.total_num_tokens if per_token else None)
-        return self.forward_data_store
 
     def _message(self, transfer: Transfer) -> P2PMessage:
         rank, size = self.run.pipeline_rank, self.spec.pipeline_size
@@ -148,24 +162,27 @@ class PlanExecutor:
             tensor = (self.outputs[key] if transfer.kind is Kind.ACTIVATION
                       else self.input_grads.pop(key))
             return P2PMessage(op, tensor=tensor, shape=shape, microbatch=transfer.microbatch,
-                              what=what)
+                              what=what, tag=transfer)
         exact = False
         if transfer.kind is Kind.GRADIENT and self.run.config.variable_seq_lengths:
             # The gradient of an output has that output's shape, known here exactly.
             shape, exact = tuple(self.output_shapes[self._local(transfer, sending=False)]), True
-        return P2PMessage(op, shape=shape, exact=exact, microbatch=transfer.microbatch, what=what)
+        return P2PMessage(op, shape=shape, exact=exact, microbatch=transfer.microbatch, what=what,
+                          tag=transfer)
 
     def _post(self, transfers: Sequence[Transfer]) -> None:
         call = self.run.communicator.post([self._message(t) for t in transfers])
         for transfer in transfers:
             self.pending[transfer] = call
 
-    def _wait(self, transfer: Transfer) -> None:
-        call = self.pending.pop(transfer, None)
+    def _await(self, transfer: Transfer) -> Iterator[Transfer]:
+        call = self.pending.get(transfer)
         if call is None:
-            return
-        rank, size = self.run.pipeline_rank, self.spec.pipeline_size
-        op = transfer.peer_op(rank, size)
+            return  # already waited for (a blocking plan waits right after posting)
+        op = transfer.peer_op(self.run.pipeline_rank, self.spec.pipeline_size)
+        while not call.poll(op):
+            yield transfer
+        del self.pending[transfer]
         received = call.wait(op)
         if not op.is_send:
             self.arrived[transfer] = received
@@ -183,7 +200,9 @@ class PlanExecutor:
         needed = input_transfer(self.spec, self.run.pipeline_rank, compute)
         if needed is None:
             return None
-        self._wait(needed)  # a no-op when the plan already waited for it
+        if needed not in self.arrived:
+            raise RuntimeError(f"pipeline rank {self.run.pipeline_rank} runs {compute} but never "
+                               f"received its input, {needed}: the plan is inconsistent")
         return self.arrived.pop(needed)
 
     def _forward(self, compute: Compute) -> None:

@@ -47,6 +47,9 @@ class Transfer:
     microbatch: int
     src_stage: int
     dst_stage: int
+    # "tensor", or "shape" for the separate shape message of upstream's variable-length
+    # protocol, which only the models of upstream's schedules (upstream_plans) produce.
+    part: str = "tensor"
 
     def peer_op(self, pipeline_rank: int, pipeline_size: int) -> PeerOp:
         """What this transfer is on ``pipeline_rank``: one of the four neighbour operations."""
@@ -56,8 +59,8 @@ class Transfer:
         return PeerOp.SEND_PREV if sending else PeerOp.RECV_NEXT
 
     def __str__(self) -> str:
-        return (f"{self.kind.value} of microbatch {self.microbatch} "
-                f"(stage {self.src_stage}->{self.dst_stage})")
+        what = self.kind.value if self.part == "tensor" else f"{self.kind.value} shape"
+        return f"{what} of microbatch {self.microbatch} (stage {self.src_stage}->{self.dst_stage})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ The model is what gloo and NCCL guarantee and no more:
 * operations between two ranks are matched per directed channel in posting order, with no
   regard to what they carry (no tags);
 * an operation completes only once its counterpart has been posted (sends are rendezvous);
-* each rank posts the operations of one call in the order of ``ordering.order_ops``.
+* each rank posts the operations of one call in the order of ``ordering.order_ops`` (or of
+  another ordering function, to show what upstream's order does).
 
 With ``serialize=True`` it also models a backend that runs the operations between one pair of
 ranks strictly one after the other (one NCCL stream per peer, operations posted one by one): an
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megatron.core.pipeline_parallel.ordering import order_ops
 from megatron.core.pipeline_parallel.schedule_plan import (
@@ -53,7 +54,7 @@ class SimulationReport:
 
 
 def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bool = False,
-             batched: bool = False) -> SimulationReport:
+             batched: bool = False, ordering: Callable = order_ops) -> SimulationReport:
     """Execute ``plans`` (one per pipeline rank); raise PlanError on the first violation."""
     p = spec.pipeline_size
     # serialize: per (rank, peer), units of operations in posting order; each unit is a list of
@@ -136,7 +137,7 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bo
                 if isinstance(action, Post):
                     ops = [(t.peer_op(rank, p), t) for t in action.transfers]
                     batch_units: dict[int, list[tuple[int, Transfer]]] = {}
-                    for op, transfer in order_ops(ops, rank):
+                    for op, transfer in ordering(ops, rank):
                         peer = op.peer(rank, p)
                         key = (rank, peer) if op.is_send else (peer, rank)
                         side = channels[key].sends if op.is_send else channels[key].recvs
