@@ -59,13 +59,20 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
             import torch.distributed as dist
 
             if init_pg:
-                dist.init_process_group(
-                    "gloo",
-                    init_method=f"tcp://127.0.0.1:{port}",
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=datetime.timedelta(seconds=timeout_s),
-                )
+                try:
+                    dist.init_process_group(
+                        "gloo",
+                        init_method=f"tcp://127.0.0.1:{port}",
+                        rank=rank,
+                        world_size=world_size,
+                        timeout=datetime.timedelta(seconds=timeout_s),
+                    )
+                except Exception as error:
+                    # Someone took the free port between our probe and rank 0's bind.
+                    if "EADDRINUSE" in str(error):
+                        conn.send(("port", str(error).splitlines()[0]))
+                        return
+                    raise
             value = fn(rank, world_size, *args)
             conn.send(("ok", value))
         except BaseException:  # report everything, including SystemExit
@@ -95,8 +102,17 @@ def run_ranks(
 
     ``fn`` must be importable by the children (a module-level function). Returns
     the per-rank return values; raises DistributedTestFailure naming each rank
-    that failed, died or timed out, with its traceback or stack dump.
+    that failed, died or timed out, with its traceback or stack dump. A start that
+    loses its port to another process is retried with a new one.
     """
+    for attempt in range(3):
+        outcomes = _run_once(fn, world_size, args, timeout_s, env, init_process_group)
+        if not any(o.status == "port" for o in outcomes.values()):
+            break
+    return _result(outcomes, world_size, timeout_s)
+
+
+def _run_once(fn, world_size, args, timeout_s, env, init_process_group) -> dict[int, _RankOutcome]:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     env = dict(env or {})
@@ -131,10 +147,14 @@ def run_ranks(
             try:
                 status, payload = conn.recv()
             except EOFError:
+                procs[rank].join(timeout=5.0)  # the pipe closes a moment before the exit code is set
                 outcomes[rank] = _RankOutcome("died", detail=f"exit code {procs[rank].exitcode}")
                 continue
             if status == "ok":
                 outcomes[rank] = _RankOutcome("ok", value=payload)
+            elif status == "port":
+                outcomes[rank] = _RankOutcome("port", detail=payload)
+                deadline = time.monotonic()  # the others wait for a rank 0 that is gone
             else:
                 outcomes[rank] = _RankOutcome("error", detail=payload)
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
@@ -157,6 +177,10 @@ def run_ranks(
             except OSError:
                 outcome.detail = "(no stack dump written)"
 
+    return outcomes
+
+
+def _result(outcomes: dict[int, _RankOutcome], world_size: int, timeout_s: float) -> list[Any]:
     failed = {r: o for r, o in sorted(outcomes.items()) if o.status != "ok"}
     if failed:
         lines = [f"{len(failed)} of {world_size} ranks failed (deadline {timeout_s:.0f}s):"]

@@ -21,7 +21,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.pipeline_parallel.ordering import Kind, PeerOp
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, P2PMessage
-from megatron.core.pipeline_parallel.p2p_wire import PipelineShapeError, make_header
+from megatron.core.pipeline_parallel.p2p_wire import PipelineShapeError, Tag, make_header
 
 SEQ, MBS, HIDDEN = 8, 2, 3
 MAX_SHAPE = (SEQ, MBS, HIDDEN)
@@ -303,7 +303,7 @@ def overlap_api(rank: int, world_size: int) -> list[str]:
 
 def _raw_send_with_header(tensor: torch.Tensor, kind: Kind, dst: int) -> None:
     """What a peer posts when its operations cross: a header of ``kind`` and the payload."""
-    dist.send(make_header(tensor, kind, None), dst, group=pipeline_group())
+    dist.send(make_header(tensor, Tag(kind)), dst, group=pipeline_group())
     dist.send(tensor, dst, group=pipeline_group())
 
 

@@ -7,7 +7,7 @@ import torch
 
 from megatron.core.pipeline_parallel.ordering import Kind
 from megatron.core.pipeline_parallel.p2p_wire import (
-    Endpoints, PipelineShapeError, check_shape, empty_header, make_header, payload_view,
+    Endpoints, PipelineShapeError, Tag, check_shape, empty_header, make_header, payload_view,
     read_header,
 )
 
@@ -16,7 +16,7 @@ ENDS = Endpoints(sender="pipeline rank 0 (global rank 0)",
 
 
 def words_of(tensor: torch.Tensor, kind: Kind, microbatch: int | None = None) -> list[int]:
-    return make_header(tensor, kind, microbatch).tolist()
+    return make_header(tensor, Tag(kind, -1 if microbatch is None else microbatch)).tolist()
 
 
 # ------------------------------------------------------------------ headers
@@ -26,11 +26,11 @@ def words_of(tensor: torch.Tensor, kind: Kind, microbatch: int | None = None) ->
 @pytest.mark.parametrize("kind", list(Kind))
 def test_header_round_trip_gives_the_sent_shape(shape, kind):
     words = words_of(torch.zeros(shape), kind, microbatch=3)
-    assert read_header(words, kind=kind, ends=ENDS) == list(shape)
+    assert read_header(words, expected=Tag(kind), ends=ENDS) == list(shape)
 
 
 def test_header_is_a_cpu_int64_tensor_that_fits_the_empty_receive_header():
-    header = make_header(torch.zeros(4, 2, 3), Kind.ACTIVATION, None)
+    header = make_header(torch.zeros(4, 2, 3), Tag(Kind.ACTIVATION))
     receive = empty_header(torch.device("cpu"))
     assert header.dtype == torch.int64 and header.device.type == "cpu"
     assert header.shape == receive.shape and receive.dtype == torch.int64
@@ -38,12 +38,12 @@ def test_header_is_a_cpu_int64_tensor_that_fits_the_empty_receive_header():
 
 def test_header_without_microbatch_still_round_trips():
     words = words_of(torch.zeros(6, 1, 8), Kind.GRADIENT, microbatch=None)
-    assert read_header(words, kind=Kind.GRADIENT, ends=ENDS) == [6, 1, 8]
+    assert read_header(words, expected=Tag(Kind.GRADIENT), ends=ENDS) == [6, 1, 8]
 
 
 def test_header_rejects_tensors_with_too_many_dimensions():
-    with pytest.raises(PipelineShapeError, match="at most 4 dimensions, got 5"):
-        make_header(torch.zeros(1, 1, 1, 1, 1), Kind.ACTIVATION, None)
+    with pytest.raises(PipelineShapeError, match="at most 6 dimensions, got 7"):
+        make_header(torch.zeros(1, 1, 1, 1, 1, 1, 1), Tag(Kind.ACTIVATION))
 
 
 @pytest.mark.parametrize("sent, expected", [(Kind.GRADIENT, Kind.ACTIVATION),
@@ -51,7 +51,7 @@ def test_header_rejects_tensors_with_too_many_dimensions():
 def test_header_of_the_other_kind_is_reported_as_crossed(sent, expected):
     words = words_of(torch.zeros(5, 2, 3), sent)
     with pytest.raises(PipelineShapeError) as info:
-        read_header(words, kind=expected, ends=ENDS)
+        read_header(words, expected=Tag(expected), ends=ENDS)
     message = str(info.value)
     assert "crossed" in message
     article = {Kind.ACTIVATION: "an", Kind.GRADIENT: "a"}
@@ -64,26 +64,26 @@ def test_header_with_an_unknown_kind_code_is_reported_as_corrupt_and_crossed():
     words = words_of(torch.zeros(5, 2, 3), Kind.ACTIVATION)
     words[1] = 99
     with pytest.raises(PipelineShapeError, match="crossed.*corrupt header"):
-        read_header(words, kind=Kind.ACTIVATION, ends=ENDS)
+        read_header(words, expected=Tag(Kind.ACTIVATION), ends=ENDS)
 
 
 def test_words_without_the_magic_are_not_a_pipeline_header():
     # What arrives when the peer sends a bare payload (variable_seq_lengths off on its side).
-    words = torch.full((8,), 1.5).view(torch.int64).tolist()
+    words = torch.full((16,), 1.5).view(torch.int64).tolist()
     with pytest.raises(PipelineShapeError) as info:
-        read_header(words, kind=Kind.ACTIVATION, ends=ENDS)
+        read_header(words, expected=Tag(Kind.ACTIVATION), ends=ENDS)
     message = str(info.value)
     assert "not a pipeline tensor header" in message
-    assert "variable_seq_lengths must be the same on every rank" in message
+    assert "variable_seq_lengths and --p2p-debug-tags must be the same on every rank" in message
     assert ENDS.sender in message and ENDS.receiver in message
 
 
-@pytest.mark.parametrize("ndim", [-1, 5])
+@pytest.mark.parametrize("ndim", [-1, 7])
 def test_header_with_an_impossible_ndim_is_corrupt(ndim):
     words = words_of(torch.zeros(5, 2, 3), Kind.ACTIVATION)
-    words[3] = ndim
+    words[5] = ndim
     with pytest.raises(PipelineShapeError, match=f"corrupt pipeline header.*ndim={ndim}"):
-        read_header(words, kind=Kind.ACTIVATION, ends=ENDS)
+        read_header(words, expected=Tag(Kind.ACTIVATION), ends=ENDS)
 
 
 # ------------------------------------------------------------------ check_shape, fixed
@@ -163,3 +163,13 @@ def test_payload_view_of_the_full_capacity_and_of_nothing():
 def test_payload_view_flattens_a_shaped_buffer_first():
     buffer = torch.arange(24, dtype=torch.float32).view(4, 2, 3)
     assert torch.equal(payload_view(buffer, (2, 2, 3)), buffer[:2])
+
+
+def test_header_names_the_tensor_and_a_different_one_is_crossed():
+    sent = Tag(Kind.ACTIVATION, 4, 0, 1)
+    words = make_header(torch.zeros(2, 1, 3), sent).tolist()
+    assert read_header(words, expected=sent, ends=ENDS) == [2, 1, 3]
+    with pytest.raises(PipelineShapeError,
+                       match=r"expected an activation of microbatch 3 \(stage 0->1\) .* but "
+                             r"received an activation of microbatch 4 \(stage 0->1\)"):
+        read_header(words, expected=Tag(Kind.ACTIVATION, 3, 0, 1), ends=ENDS)

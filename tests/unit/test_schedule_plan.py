@@ -6,10 +6,12 @@ import dataclasses
 import pytest
 
 from megatron.core.pipeline_parallel.ordering import Kind
+from megatron.core.pipeline_parallel.ordering import order_ops
 from megatron.core.pipeline_parallel.schedule_plan import (
     Compute, PlanSpec, Post, Transfer, Wait, build_all_plans, build_plan,
-    compute_order, format_plan, forward_table, timetable, warmup_count,
+    compute_order, format_plan, forward_table, slots, warmup_count,
 )
+from megatron.core.pipeline_parallel.upstream_plans import upstream_batched_order
 from megatron.core.pipeline_parallel.simulate import PlanError, check_spec, simulate
 
 
@@ -52,10 +54,10 @@ def test_compute_order_is_one_forward_one_backward_in_steady_state():
         "B4.0", "B5.0"]
 
 
-@pytest.mark.parametrize("p,v,m", [(4, 1, 8), (2, 2, 4), (4, 2, 8), (3, 3, 6)])
-def test_timetable_has_the_textbook_bubble(p, v, m):
-    # With unit-time forwards and backwards, 1F1B and interleaved 1F1B take 2*m*v + 2*(p-1).
-    assert timetable(PlanSpec(p, v, m)).num_steps == 2 * m * v + 2 * (p - 1)
+def test_interleaved_steady_state_pairs_a_forward_with_a_backward_per_step():
+    grouped = slots(PlanSpec(2, 2, 4), 1)
+    assert [len(slot) for slot in grouped] == [1, 1] + [2] * 6 + [1, 1]
+    assert all(len(slot) == 1 for slot in slots(PlanSpec(4, 1, 8), 1))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -84,17 +86,35 @@ def test_every_layout_runs_without_crossing_or_deadlock():
     assert count > 500
 
 
-@pytest.mark.parametrize("spec", [PlanSpec(2, 2, 4), PlanSpec(4, 2, 8), PlanSpec(3, 1, 5),
-                                  PlanSpec(2, 3, 6, overlap_p2p_comm=True)])
-def test_each_point_carries_at_most_one_transfer_per_channel(spec):
-    # Why crossing is impossible by construction, whatever the order inside a call.
+def _channel_sequences(spec, ordering=order_ops):
+    """Per directed channel: what the sender posts and what the receiver posts, in order."""
+    sends, recvs = collections.defaultdict(list), collections.defaultdict(list)
+    p = spec.pipeline_size
     for rank, plan in enumerate(build_all_plans(spec)):
         for action in plan:
             if isinstance(action, Post):
-                channels = collections.Counter(
-                    (t.src_stage % spec.pipeline_size, t.dst_stage % spec.pipeline_size)
-                    for t in action.transfers)
-                assert max(channels.values()) == 1
+                ops = [(t.peer_op(rank, p), t) for t in action.transfers]
+                for op, transfer in ordering(ops, rank):
+                    peer = op.peer(rank, p)
+                    key = (rank, peer) if op.is_send else (peer, rank)
+                    (sends if op.is_send else recvs)[key].append(transfer)
+    return sends, recvs
+
+
+@pytest.mark.parametrize("spec", [PlanSpec(2, 2, 4), PlanSpec(4, 2, 8), PlanSpec(3, 1, 5),
+                                  PlanSpec(2, 3, 6, overlap_p2p_comm=True)])
+def test_both_ends_of_every_channel_post_the_same_sequence(spec):
+    sends, recvs = _channel_sequences(spec)
+    assert sends == recvs
+
+
+def test_at_pipeline_size_two_the_ordering_rule_is_what_keeps_kinds_apart():
+    # A steady-state step of an interleaved plan sends an activation and a gradient to the
+    # same peer; upstream's batched order would post the gradient first on one end only.
+    sends, recvs = _channel_sequences(PlanSpec(2, 2, 4), ordering=upstream_batched_order)
+    assert sends != recvs
+    sends, recvs = _channel_sequences(PlanSpec(4, 2, 8), ordering=upstream_batched_order)
+    assert sends == recvs  # prev != next: one kind per channel, nothing to cross
 
 
 def test_every_microbatch_goes_through_every_stage_once():

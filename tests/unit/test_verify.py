@@ -30,10 +30,16 @@ def test_our_schedules_pass_the_whole_foundation_matrix():
     assert len(layouts) > 150
 
 
-def test_our_schedules_pass_even_with_upstreams_order_inside_a_call():
-    # Every call of our plans carries at most one transfer per channel.
-    for layout in (Layout(2, 2, 4), Layout(2, 3, 6, True), Layout(2, 2, 4, True, "unbatched")):
-        verify(layout, ordering=upstream_batched_order)
+def test_upstream_order_injected_into_our_schedules_crosses_at_pp2_interleaved_only():
+    crossed = set()
+    for pp, vpp in itertools.product((2, 3, 4), (1, 2, 3)):
+        for variable in (False, True):
+            try:
+                verify(Layout(pp, vpp, 2 * pp, variable), ordering=upstream_batched_order)
+            except VerificationError as error:
+                assert "crossed on channel" in str(error)
+                crossed.add((pp, vpp))
+    assert crossed == {(2, 2), (2, 3)}
 
 
 def test_forward_only_layouts_pass():

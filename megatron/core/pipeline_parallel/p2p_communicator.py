@@ -10,13 +10,13 @@ calls built this way neither cross nor deadlock.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.pipeline_parallel import p2p_wire
+from megatron.core.pipeline_parallel import flight_recorder, p2p_wire
 from megatron.core.pipeline_parallel.ordering import PeerOp, order_ops
 
 
@@ -33,9 +33,20 @@ class P2PMessage:
     tensor: Optional[torch.Tensor] = None
     shape: Optional[Sequence[int]] = None
     exact: bool = False
-    microbatch: Optional[int] = None
     what: str = ""
-    tag: Any = None  # the logical identity of the transfer (schedules: a schedule_plan.Transfer)
+    tag: Optional[p2p_wire.Tag] = None  # what the tensor is, when the caller knows
+
+    def effective_tag(self) -> p2p_wire.Tag:
+        return self.tag if self.tag is not None else p2p_wire.Tag(self.op.kind)
+
+
+_DEBUG_TAGS = False
+
+
+def set_debug_tags(enabled: bool) -> None:
+    """Send a header with every pipeline message from now on (``--p2p-debug-tags``)."""
+    global _DEBUG_TAGS
+    _DEBUG_TAGS = enabled
 
 
 class _Work:
@@ -49,6 +60,9 @@ class _Work:
             self._work.wait()
             self._done = True
 
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
 
 @dataclasses.dataclass
 class _Posted:
@@ -58,14 +72,20 @@ class _Posted:
     buffer: Optional[torch.Tensor] = None
     result: Optional[torch.Tensor] = None
     done: bool = False
+    record: Optional[flight_recorder.P2PRecord] = None
 
 
 class P2PCommunicator:
     """Posts pipeline p2p calls on one pipeline group."""
 
-    def __init__(self, pp_group: dist.ProcessGroup, config: ModelParallelConfig):
+    def __init__(self, pp_group: dist.ProcessGroup, config: ModelParallelConfig, *,
+                 debug_tags: Optional[bool] = None,
+                 recorder: Optional[flight_recorder.FlightRecorder] = None):
         self.pp_group = pp_group
         self.config = config
+        # Headers on every message (not only with variable lengths): see p2p_wire.
+        self.debug_tags = _DEBUG_TAGS if debug_tags is None else debug_tags
+        self.recorder = recorder or flight_recorder.get_flight_recorder()
         self.pipeline_rank = dist.get_rank(pp_group)
         self.pipeline_size = dist.get_world_size(pp_group)
         if self.pipeline_rank < 0:
@@ -79,6 +99,9 @@ class P2PCommunicator:
         else:
             self.device = torch.device("cpu")
         self._header_stream = None
+        self.recorder.rank = dist.get_rank()
+        self.recorder.pipeline_rank = self.pipeline_rank
+        self.recorder.pipeline_ranks = dist.get_process_group_ranks(pp_group)
 
     @property
     def is_pp_first_stage(self) -> bool:
@@ -116,7 +139,7 @@ class P2PCommunicator:
                 for tensor in self._wire_tensors_to_send(message, variable):
                     ops.append((entry, dist.isend, tensor, peer))
             else:
-                if variable:
+                if self._headers:
                     entry.header = p2p_wire.empty_header(self.device)
                     ops.append((entry, dist.irecv, entry.header, peer))
                 entry.buffer = self._receive_buffer(message)
@@ -133,7 +156,29 @@ class P2PCommunicator:
         else:
             for entry, fn, tensor, peer in ops:
                 entry.works.append(_Work(fn(tensor, peer, group=self.pp_group)))
+        call = self.recorder.new_call()
+        for entry in posted:
+            entry.record = self._record(call, entry)
         return PendingCall(self, posted)
+
+    @property
+    def _headers(self) -> bool:
+        return self.config.variable_seq_lengths or self.debug_tags
+
+    def _record(self, call: int, entry: "_Posted") -> flight_recorder.P2PRecord:
+        message, op = entry.message, entry.message.op
+        tag = message.effective_tag()
+        tensor = message.tensor if op.is_send else entry.buffer
+        peer_pipeline_rank = op.peer(self.pipeline_rank, self.pipeline_size)
+        works = entry.works
+        return self.recorder.record(
+            call=call, op=op.value, peer=dist.get_global_rank(self.pp_group, peer_pipeline_rank),
+            peer_pipeline_rank=peer_pipeline_rank, kind=tag.kind.value,
+            microbatch=tag.microbatch if tag.microbatch >= 0 else None,
+            src_stage=tag.src_stage if tag.src_stage >= 0 else None,
+            dst_stage=tag.dst_stage if tag.dst_stage >= 0 else None,
+            shape=list(message.shape if message.shape is not None else tensor.shape),
+            dtype=str(tensor.dtype), done=lambda: all(w.is_completed() for w in works))
 
     def _wire_tensors_to_send(self, message: P2PMessage, variable: bool) -> list[torch.Tensor]:
         tensor = message.tensor
@@ -150,10 +195,10 @@ class P2PCommunicator:
             p2p_wire.check_shape(tensor.shape, message.shape, variable=variable, kind=kind,
                                  ends=self._endpoints(message.op), what=message.what)
         tensor = tensor.detach().contiguous()
-        if not variable:
+        if not self._headers:
             return [tensor]
-        header = p2p_wire.make_header(tensor, kind, message.microbatch)
-        if not self._uses_nccl:
+        header = p2p_wire.make_header(tensor, message.effective_tag())
+        if not variable or not self._uses_nccl:
             return [header, tensor]
         # NCCL matches element counts, so the payload fills the receiver's whole buffer.
         if message.shape is None:
@@ -199,19 +244,25 @@ class P2PCommunicator:
 
     def _finish(self, entry: _Posted) -> None:
         message = entry.message
-        if not message.op.is_send and self.config.variable_seq_lengths:
+        if not message.op.is_send and self._headers:
             ends = self._endpoints(message.op)
-            kind = message.op.kind
-            shape = p2p_wire.read_header(self._header_words(entry), kind=kind, ends=ends)
-            p2p_wire.check_shape(shape, message.shape, variable=not message.exact, kind=kind,
-                                 ends=ends, what=message.what)
-            received = p2p_wire.payload_view(entry.buffer, shape)
-            entry.result = received.detach().requires_grad_(True)
+            variable = self.config.variable_seq_lengths
+            shape = p2p_wire.read_header(self._header_words(entry),
+                                         expected=message.effective_tag(), ends=ends)
+            p2p_wire.check_shape(shape, message.shape, variable=variable and not message.exact,
+                                 kind=message.op.kind, ends=ends, what=message.what)
+            if variable:
+                received = p2p_wire.payload_view(entry.buffer, shape)
+                entry.result = received.detach().requires_grad_(True)
+            else:
+                entry.result = entry.buffer
         else:
             entry.result = entry.buffer
         for work in entry.works:
             work.wait()
         entry.done = True
+        if entry.record is not None:
+            self.recorder.complete(entry.record)
 
 
 class PendingCall:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -16,6 +17,7 @@ from megatron.core.pipeline_parallel.microbatch_step import (
     backward_step, check_first_val_step, deallocate_output_tensor, forward_step,
 )
 from megatron.core.pipeline_parallel.ordering import Kind
+from megatron.core.pipeline_parallel.p2p_wire import Tag
 from megatron.core.pipeline_parallel.p2p_communicator import (
     P2PCommunicator, P2PMessage, PendingCall,
 )
@@ -41,6 +43,9 @@ class ScheduleRun:
     collect_non_loss_data: bool = False
     first_val_step: Optional[bool] = None
     set_virtual_rank: Callable[[int], None] = lambda chunk: None
+    # When a list: one {phase, chunk, microbatch, start, end} per compute (perf_counter seconds),
+    # for measured timelines (timeline.from_records).
+    trace: Optional[list] = None
 
 
 class _GradSync:
@@ -81,6 +86,10 @@ class _GradSync:
         else:
             yield
             self._per_chunk[chunk](self._chunks[chunk].parameters())
+
+
+def _tag(transfer: Transfer) -> Tag:
+    return Tag(transfer.kind, transfer.microbatch, transfer.src_stage, transfer.dst_stage)
 
 
 def _enter_all(funcs):
@@ -129,6 +138,9 @@ class PlanExecutor:
         thread by resuming each one once what it waits for was posted by its peer.
         """
         run = self.run
+        recorder = getattr(run.communicator, "recorder", None)
+        if recorder is not None:
+            recorder.schedule = dataclasses.asdict(self.spec)  # lets diagnoses order events
         if not self.forward_only:
             self.grad_sync.disable()
         for action in run.plan:
@@ -136,10 +148,15 @@ class PlanExecutor:
                 needed = input_transfer(self.spec, run.pipeline_rank, action)
                 if needed is not None:
                     yield from self._await(needed)
+                started = time.perf_counter()
                 if action.phase is Phase.FORWARD:
                     self._forward(action)
                 else:
                     self._backward(action)
+                if run.trace is not None:
+                    run.trace.append({"phase": action.phase.value, "chunk": action.chunk,
+                                      "microbatch": action.microbatch, "start": started,
+                                      "end": time.perf_counter()})
             elif isinstance(action, Post):
                 self._post(action.transfers)
             elif isinstance(action, Wait):
@@ -161,14 +178,12 @@ class PlanExecutor:
             key = self._local(transfer, sending=True)
             tensor = (self.outputs[key] if transfer.kind is Kind.ACTIVATION
                       else self.input_grads.pop(key))
-            return P2PMessage(op, tensor=tensor, shape=shape, microbatch=transfer.microbatch,
-                              what=what, tag=transfer)
+            return P2PMessage(op, tensor=tensor, shape=shape, what=what, tag=_tag(transfer))
         exact = False
         if transfer.kind is Kind.GRADIENT and self.run.config.variable_seq_lengths:
             # The gradient of an output has that output's shape, known here exactly.
             shape, exact = tuple(self.output_shapes[self._local(transfer, sending=False)]), True
-        return P2PMessage(op, shape=shape, exact=exact, microbatch=transfer.microbatch, what=what,
-                          tag=transfer)
+        return P2PMessage(op, shape=shape, exact=exact, what=what, tag=_tag(transfer))
 
     def _post(self, transfers: Sequence[Transfer]) -> None:
         call = self.run.communicator.post([self._message(t) for t in transfers])

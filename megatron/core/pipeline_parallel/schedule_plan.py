@@ -218,36 +218,67 @@ class Timetable:
         return max(s[-1] for s in self.steps if s) + 1
 
 
+def slots(spec: PlanSpec, pipeline_rank: int) -> list[tuple[Compute, ...]]:
+    """The rank's computes grouped into steps of the lock-step clock.
+
+    Interleaved schedules pair each steady-state forward with its backward in one step (one
+    communication point after both, as upstream's interleaved schedule does), which keeps all
+    ranks in step when a backward takes longer than a forward; 1F1B and the warm-up and
+    cool-down phases take one compute per step.
+    """
+    order = compute_order(spec, pipeline_rank)
+    if spec.num_chunks == 1 or spec.forward_only:
+        return [(c,) for c in order]
+    warmup = warmup_count(spec, pipeline_rank)
+    # After the warm-up forwards, the steady state alternates F, B until the forwards run out.
+    steady_end = warmup + 2 * (len(order) // 2 - warmup)
+    grouped = [(c,) for c in order[:warmup]]
+    grouped += [tuple(order[i:i + 2]) for i in range(warmup, steady_end, 2)]
+    grouped += [(c,) for c in order[steady_end:]]
+    return grouped
+
+
 def timetable(spec: PlanSpec) -> Timetable:
     p = spec.pipeline_size
     orders = [compute_order(spec, r) for r in range(p)]
+    grouped = [slots(spec, r) for r in range(p)]
     done: dict[tuple[Phase, int, int], int] = {}  # (phase, stage, microbatch) -> step
-    steps: list[list[int]] = [[] for _ in orders]
+    slot_steps: list[list[int]] = [[] for _ in orders]
     producer_step: dict[Transfer, int] = {}
     step = 0
-    remaining = sum(map(len, orders))
+    remaining = sum(map(len, grouped))
     while remaining:
         finished_now = []
-        for r, order in enumerate(orders):
-            if len(steps[r]) == len(order):
+        finished_slots = 0
+        for r, rank_slots in enumerate(grouped):
+            if len(slot_steps[r]) == len(rank_slots):
                 continue
-            compute = order[len(steps[r])]
-            needed = input_transfer(spec, r, compute)
-            if needed is not None:
-                producer_phase = Phase.FORWARD if needed.kind is Kind.ACTIVATION else Phase.BACKWARD
-                if done.get((producer_phase, needed.src_stage, needed.microbatch), step) >= step:
-                    continue
-            steps[r].append(step)
-            finished_now.append((compute.phase, spec.stage(r, compute.chunk), compute.microbatch))
-            produced = output_transfer(spec, r, compute)
-            if produced is not None:
-                producer_step[produced] = step
+            slot = rank_slots[len(slot_steps[r])]
+            ready = True
+            for compute in slot:
+                needed = input_transfer(spec, r, compute)
+                if needed is not None:
+                    producer = Phase.FORWARD if needed.kind is Kind.ACTIVATION else Phase.BACKWARD
+                    if done.get((producer, needed.src_stage, needed.microbatch), step) >= step:
+                        ready = False
+            if not ready:
+                continue
+            slot_steps[r].append(step)
+            finished_slots += 1
+            for compute in slot:
+                finished_now.append((compute.phase, spec.stage(r, compute.chunk),
+                                     compute.microbatch))
+                produced = output_transfer(spec, r, compute)
+                if produced is not None:
+                    producer_step[produced] = step
         if not finished_now:
             raise RuntimeError(f"the compute orders of {spec} cannot make progress")
-        remaining -= len(finished_now)
+        remaining -= finished_slots
         for key in finished_now:
             done[key] = step
         step += 1
+    steps = [[slot_step for slot_step, slot in zip(slot_steps[r], grouped[r]) for _ in slot]
+             for r in range(p)]
     return Timetable(spec, tuple(map(tuple, orders)), tuple(map(tuple, steps)), producer_step)
 
 
@@ -278,12 +309,13 @@ def build_plan(spec: PlanSpec, pipeline_rank: int, table: Timetable | None = Non
         if needed is not None:
             recvs_at[table.producer_step[needed]].append(needed)
 
-    compute_at = dict(zip(my_steps, my_order))
+    compute_at: dict[int, list[Compute]] = collections.defaultdict(list)
+    for step, compute in zip(my_steps, my_order):
+        compute_at[step].append(compute)
     actions: list[Action] = []
     unwaited_sends: tuple[Transfer, ...] = ()
     for step in range(table.num_steps):
-        if step in compute_at:
-            compute = compute_at[step]
+        for compute in compute_at.get(step, ()):
             needed = input_transfer(spec, pipeline_rank, compute)
             if spec.overlap_p2p_comm and needed is not None:
                 actions.append(Wait((needed,)))

@@ -10,7 +10,7 @@ Differences from upstream worth knowing:
   with variable sequence lengths (``seq_length`` is then the longest a microbatch may have);
 * ``overlap_p2p_comm`` also overlaps the 1F1B schedule;
 * every schedule accepts a keyword ``p2p_communicator`` to use an explicit pipeline group
-  instead of parallel_state's.
+  instead of parallel_state's, and ``trace`` (a list) to record when each compute ran.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _set_virtual_rank(chunk: int) -> None:
 
 def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, seq_length,
          micro_batch_size, decoder_seq_length, forward_only, collect_non_loss_data,
-         first_val_step, p2p_communicator, pipelined: bool) -> list:
+         first_val_step, p2p_communicator, pipelined: bool, trace: Optional[list]) -> list:
     config = get_model_config(model_chunks[0])
     if get_model_type(model_chunks[0]) == ModelType.encoder_and_decoder:
         raise ValueError("encoder-decoder models are not supported by this tree's schedules")
@@ -118,7 +118,8 @@ def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, s
         model_chunks=model_chunks, config=config,
         communicator=p2p_communicator if pipelined else None, tensor_shape=tensor_shape,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-        set_virtual_rank=_set_virtual_rank if len(model_chunks) > 1 else (lambda chunk: None))
+        set_virtual_rank=_set_virtual_rank if len(model_chunks) > 1 else (lambda chunk: None),
+        trace=trace)
     result = PlanExecutor(run).execute()
     if timers is not None:
         timers("forward-backward").stop()
@@ -129,7 +130,8 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
         seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
         forward_only: bool = False, collect_non_loss_data: bool = False,
         first_val_step: Optional[bool] = None,
-        p2p_communicator: Optional[P2PCommunicator] = None) -> list:
+        p2p_communicator: Optional[P2PCommunicator] = None,
+        trace: Optional[list] = None) -> list:
     """Forward and backward of every microbatch in turn, on one stage."""
     models = _as_list(model)
     if len(models) != 1:
@@ -140,14 +142,16 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
                 num_microbatches=num_microbatches, seq_length=seq_length,
                 micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                 forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-                first_val_step=first_val_step, p2p_communicator=None, pipelined=False)
+                first_val_step=first_val_step, p2p_communicator=None, pipelined=False,
+                trace=trace)
 
 
 def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_iterator, model, num_microbatches: int,
         seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
         forward_only: bool = False, collect_non_loss_data: bool = False,
         first_val_step: Optional[bool] = None,
-        p2p_communicator: Optional[P2PCommunicator] = None) -> list:
+        p2p_communicator: Optional[P2PCommunicator] = None,
+        trace: Optional[list] = None) -> list:
     """1F1B: warm-up forwards, then one forward and one backward in turn, then cool-down."""
     models = _as_list(model)
     if len(models) != 1:
@@ -160,14 +164,15 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
                 micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                 forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
                 first_val_step=first_val_step, p2p_communicator=p2p_communicator,
-                pipelined=True)
+                pipelined=True, trace=trace)
 
 
 def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_iterator, model, num_microbatches: int,
         seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
         forward_only: bool = False, collect_non_loss_data: bool = False,
         first_val_step: Optional[bool] = None,
-        p2p_communicator: Optional[P2PCommunicator] = None) -> list:
+        p2p_communicator: Optional[P2PCommunicator] = None,
+        trace: Optional[list] = None) -> list:
     """Interleaved 1F1B: each rank holds several model chunks (virtual pipeline stages)."""
     if not isinstance(model, (list, tuple)):
         raise ValueError("the interleaved schedule expects a list of model chunks")
@@ -185,4 +190,4 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
                 seq_length=seq_length, micro_batch_size=micro_batch_size,
                 decoder_seq_length=decoder_seq_length, forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                p2p_communicator=p2p_communicator, pipelined=True)
+                p2p_communicator=p2p_communicator, pipelined=True, trace=trace)

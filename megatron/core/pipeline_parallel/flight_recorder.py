@@ -1,0 +1,171 @@
+"""What each pipeline rank posted and waited for, kept in a bounded ring, and a watchdog.
+
+Every p2p operation a ``P2PCommunicator`` posts is recorded with its logical identity
+(kind, microbatch, stages), peer, shape, dtype, its position on its channel (the k-th send from
+this rank to that peer) and when it was posted and completed. A batched call that hangs is then
+no anonymous "coalesced" operation: the dump says which tensor of which microbatch each rank
+still waits for, and ``tools/diagnose_hang.py`` lines the dumps of all ranks up channel by
+channel to name the first message one side posted and the other never did.
+
+The watchdog (``start_watchdog``) is a daemon thread: when an operation has been incomplete for
+longer than the timeout it writes this rank's record as JSON, prints one paragraph and ends the
+process with exit code 3, so a stuck job ends with a diagnosis instead of a silent wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+HANG_EXIT_CODE = 3
+DEFAULT_CAPACITY = 4096
+
+
+@dataclasses.dataclass
+class P2PRecord:
+    seq: int
+    call: int
+    op: str
+    peer: int
+    peer_pipeline_rank: int
+    channel_index: int
+    kind: str
+    microbatch: Optional[int]
+    src_stage: Optional[int]
+    dst_stage: Optional[int]
+    shape: Optional[list]
+    dtype: Optional[str]
+    posted_s: float
+    completed_s: Optional[float] = None
+    done: Callable[[], bool] = dataclasses.field(default=lambda: False, repr=False)
+
+    def describe(self) -> str:
+        what = self.kind
+        if self.microbatch is not None:
+            what += f" of microbatch {self.microbatch}"
+        if self.src_stage is not None:
+            what += f" (stage {self.src_stage}->{self.dst_stage})"
+        direction = "to" if self.op.startswith("send") else "from"
+        return f"{self.op} {what} {direction} pipeline rank {self.peer_pipeline_rank}"
+
+    def as_json(self) -> dict:
+        record = dataclasses.asdict(self)
+        del record["done"]
+        return record
+
+
+class FlightRecorder:
+    """A bounded ring of this rank's p2p records; cheap enough to stay on all the time."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        self._ring: collections.deque[P2PRecord] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._calls = 0
+        self._channel_counts: collections.Counter = collections.Counter()
+        self._start = time.monotonic()
+        self.rank: Optional[int] = None
+        self.pipeline_rank: Optional[int] = None
+        self.pipeline_ranks: Optional[list[int]] = None
+        self.schedule: Optional[dict] = None  # the PlanSpec of the schedule running, if any
+
+    def now(self) -> float:
+        return time.monotonic() - self._start
+
+    def new_call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def record(self, *, call: int, op: str, peer: int, peer_pipeline_rank: int, kind: str,
+               microbatch, src_stage, dst_stage, shape, dtype,
+               done: Callable[[], bool]) -> P2PRecord:
+        with self._lock:
+            self._seq += 1
+            channel = (op.startswith("send"), peer)
+            index = self._channel_counts[channel]
+            self._channel_counts[channel] += 1
+            record = P2PRecord(self._seq, call, op, peer, peer_pipeline_rank, index, kind,
+                               microbatch, src_stage, dst_stage, shape, dtype, self.now(),
+                               done=done)
+            self._ring.append(record)
+        return record
+
+    def complete(self, record: P2PRecord) -> None:
+        record.completed_s = self.now()
+
+    def records(self) -> list[P2PRecord]:
+        with self._lock:
+            return list(self._ring)
+
+    def oldest_incomplete(self) -> Optional[P2PRecord]:
+        for record in self.records():
+            if record.completed_s is None and not record.done():
+                return record
+        return None
+
+    def dump(self, directory: str, *, reason: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"rank{self.rank if self.rank is not None else 0}.json")
+        payload: dict[str, Any] = {
+            "rank": self.rank, "pipeline_rank": self.pipeline_rank,
+            "pipeline_ranks": self.pipeline_ranks, "schedule": self.schedule, "reason": reason,
+            "time_s": self.now(),
+            "records": [r.as_json() for r in self.records()],
+        }
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+
+_RECORDER = FlightRecorder()
+
+
+def get_flight_recorder() -> FlightRecorder:
+    """The process's recorder, which every P2PCommunicator writes to."""
+    return _RECORDER
+
+
+def start_watchdog(timeout_s: float, dump_dir: str, *,
+                   recorder: Optional[FlightRecorder] = None,
+                   on_hang: Optional[Callable[[str], None]] = None) -> threading.Thread:
+    """Watch for a p2p operation incomplete for longer than ``timeout_s``; then dump and exit."""
+    recorder = recorder or _RECORDER
+    period = max(0.05, min(1.0, timeout_s / 10))
+
+    def watch():
+        while True:
+            time.sleep(period)
+            oldest = recorder.oldest_incomplete()
+            if oldest is None or recorder.now() - oldest.posted_s < timeout_s:
+                continue
+            waited = recorder.now() - oldest.posted_s
+            path = recorder.dump(dump_dir, reason=f"p2p operation incomplete for {waited:.0f}s")
+            completed = [r for r in recorder.records() if r.completed_s is not None]
+            last = f"; the last one completed was {completed[-1].describe()}" if completed else ""
+            message = (
+                f"p2p watchdog: pipeline rank {recorder.pipeline_rank} (global rank "
+                f"{recorder.rank}) has waited {waited:.0f}s (--p2p-timeout-seconds "
+                f"{timeout_s:g}) for {oldest.describe()} (global rank {oldest.peer}), posted in "
+                f"call #{oldest.call} as message #{oldest.channel_index} on that channel{last}. "
+                f"Flight record: {path}; run `python tools/diagnose_hang.py {dump_dir}` once "
+                f"every rank has written its record.")
+            print(message, file=sys.stderr, flush=True)
+            (on_hang or _exit_hung)(message)
+            return
+
+    thread = threading.Thread(target=watch, name="p2p-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _exit_hung(message: str) -> None:
+    del message
+    os._exit(HANG_EXIT_CODE)

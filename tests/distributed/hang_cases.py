@@ -1,0 +1,93 @@
+"""Rank-side code for the hang-forensics tests: inject a fault, let the watchdog find it."""
+
+import dataclasses
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import flight_recorder, p2p_communicator, schedules
+from megatron.core.pipeline_parallel.ordering import Kind
+from megatron.core.pipeline_parallel.schedule_plan import Post, Wait
+from tests.distributed.pipeline_cases import Case, run_case
+
+
+def _without(plan, transfer):
+    edited = []
+    for action in plan:
+        if isinstance(action, (Post, Wait)):
+            action = type(action)(tuple(t for t in action.transfers if t != transfer))
+            if not action.transfers:
+                continue
+        edited.append(action)
+    return tuple(edited)
+
+
+def _drop_activation_send(rank, world_size, pick):
+    """Make pipeline rank 0 leave out one activation send (``pick`` chooses which)."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    real = schedules._plan.__wrapped__
+
+    def faulty(spec, pipeline_rank):
+        plan = real(spec, pipeline_rank)
+        if pipeline_rank != 0:
+            return plan
+        sends = [t for a in plan if isinstance(a, Post) for t in a.transfers
+                 if t.kind is Kind.ACTIVATION and t.src_stage == 0]
+        return _without(plan, pick(sends))
+
+    schedules._plan = faulty
+
+
+def rank_zero_skips_its_last_activation_send(rank, world_size, dump_dir, timeout_s):
+    _drop_activation_send(rank, world_size, pick=lambda sends: sends[-1])
+    flight_recorder.start_watchdog(timeout_s, dump_dir)
+    run_case(rank, world_size, Case(1, 2, False, "batched"))
+    return "finished"  # never reached: the watchdog ends the process
+
+
+def rank_zero_skips_its_first_activation_send(rank, world_size):
+    """Rank 0's second activation then meets rank 1's first receive: a crossed pairing."""
+    _drop_activation_send(rank, world_size, pick=lambda sends: sends[0])
+    p2p_communicator.set_debug_tags(True)
+    try:
+        run_case(rank, world_size, Case(1, 2, False, "batched"))
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def recorder_overhead(rank, world_size, repeats):
+    """Seconds per p2p call with the flight recorder on and off (same process, same calls)."""
+    import time
+
+    from megatron.core import ModelParallelConfig
+    from megatron.core.pipeline_parallel.ordering import PeerOp
+    from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator, P2PMessage
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    tensor = torch.ones(16, 1, 64)
+    results = {}
+    for label, recorder in (("on", None), ("off", _NullRecorder())):
+        comm = P2PCommunicator(group, config, recorder=recorder)
+        op = PeerOp.SEND_NEXT if rank == 0 else PeerOp.RECV_PREV
+        message = (P2PMessage(op, tensor=tensor) if rank == 0
+                   else P2PMessage(op, shape=tuple(tensor.shape)))
+        for _ in range(20):
+            comm.post([dataclasses.replace(message)]).wait_all()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            comm.post([dataclasses.replace(message)]).wait_all()
+        results[label] = (time.perf_counter() - start) / repeats
+    return results
+
+
+class _NullRecorder(flight_recorder.FlightRecorder):
+    """Records nothing: the baseline for the overhead measurement."""
+
+    def record(self, **kwargs):
+        return None
+
+    def complete(self, record):
+        pass
