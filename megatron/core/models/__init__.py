@@ -1,0 +1,1 @@
+"""Models assembled from megatron.core.transformer building blocks."""

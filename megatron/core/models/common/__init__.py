@@ -1,0 +1,1 @@
+"""Parts shared by the language models: embeddings and the language-module base class."""

@@ -1,0 +1,89 @@
+"""Rotary position embeddings (RoPE): the per-position rotation angles."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Angles ``position * base^(-2i/r)`` for the first ``r = kv_channels * rotary_percent``
+    channels of every head.
+
+    ``forward(max_seq_len, offset)`` returns them as ``[max_seq_len, 1, 1, r]`` in the channel
+    layout that :func:`apply_rotary_pos_emb` expects for ``rotary_interleaved``. With
+    ``seq_len_interpolation_factor`` positions are divided by it (linear position
+    interpolation for sequences longer than seen in training).
+    """
+
+    def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000,
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 use_cpu_initialization: bool = False) -> None:
+        super().__init__()
+        if rope_scaling:
+            raise ValueError(
+                "rope_scaling=True (Llama 3.x frequency scaling) is not supported by this tree; "
+                "leave it False"
+            )
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must lie in (0, 1], got {rotary_percent}")
+        dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+        if dim < 2 or dim % 2:
+            raise ValueError(
+                f"kv_channels={kv_channels} x rotary_percent={rotary_percent} gives {dim} rotary "
+                "channels; it must be an even number >= 2"
+            )
+        if seq_len_interpolation_factor is not None and seq_len_interpolation_factor < 1.0:
+            raise ValueError(
+                "seq_len_interpolation_factor must be >= 1 (or None), got "
+                f"{seq_len_interpolation_factor}"
+            )
+        self.rotary_dim = dim
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        on_gpu = torch.cuda.is_available() and not use_cpu_initialization
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        # A plain attribute, not a buffer: it must stay fp32 when the model is cast to half.
+        self.inv_freq = rotary_base ** (-exponents)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
+        if packed_seq:
+            raise ValueError("packed_seq=True is not supported by this tree")
+        if torch.cuda.is_available() and self.inv_freq.device.type == "cpu":
+            self.inv_freq = self.inv_freq.to(torch.cuda.current_device())
+        positions = torch.arange(
+            offset, offset + max_seq_len, device=self.inv_freq.device, dtype=torch.float32
+        )
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        angles = torch.outer(positions, self.inv_freq)  # [s, r/2]
+        if self.rotary_interleaved:
+            angles = angles.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((angles, angles), dim=-1)
+        return angles[:, None, None, :]
+
+    def get_rotary_seq_len(
+        self, inference_params, transformer, transformer_input, transformer_config,
+        packed_seq_params=None,
+    ) -> int:
+        """Full sequence length of the current microbatch, from whatever input the block uses
+        (sequence-parallel inputs hold 1/tp of it)."""
+        if packed_seq_params is not None or inference_params is not None:
+            raise ValueError(
+                "packed_seq_params and inference_params are not supported by this tree; pass None"
+            )
+        source = transformer.input_tensor if transformer.input_tensor is not None else (
+            transformer_input
+        )
+        length = source.size(0)
+        if transformer_config.sequence_parallel:
+            length *= transformer_config.tensor_model_parallel_size
+        return length

@@ -1,0 +1,1 @@
+"""The base class of language models (loss and tied embeddings)."""

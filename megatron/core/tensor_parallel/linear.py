@@ -1,0 +1,266 @@
+"""Column- and row-parallel linear layers (megatron-core names and signatures).
+
+For ``Y = X A + b`` with ``A`` of shape ``[input_size, output_size]`` (stored transposed, as
+``torch.nn.Linear`` does):
+
+* ``ColumnParallelLinear`` shards ``A`` by output columns: rank r computes ``Y_r = X A_r``.
+* ``RowParallelLinear`` shards ``A`` by input rows: rank r computes ``X_r A_r`` and the
+  partial results are summed over the group.
+
+With ``config.sequence_parallel`` activations outside the pair are sequence shards
+``[s/tp, b, h]``: the column layer all-gathers its input and the row layer reduce-scatters
+its output. Both return ``(output, bias)`` where ``bias`` is not None only with
+``skip_bias_add`` (the caller adds it, e.g. fused with an activation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch.nn.parameter import Parameter
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.collectives import group_rank, group_size
+from megatron.core.tensor_parallel.linear_function import (
+    linear_with_grad_accumulation_and_async_allreduce,
+)
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.param_attributes import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.utils import divide, resolve_tp_group
+from megatron.core.tensor_parallel.weight_init import init_partitioned_weight, parameter_device
+
+
+class _ParallelLinearBase(torch.nn.Module):
+    """What both layers share: group resolution, feature checks, parameter creation."""
+
+    def __init__(self, config: ModelParallelConfig, is_expert: bool, tp_group: Any) -> None:
+        super().__init__()
+        if is_expert:
+            raise ValueError(
+                "is_expert=True is not supported by this tree: mixture-of-experts layers are "
+                "not implemented"
+            )
+        if config.gradient_accumulation_fusion:
+            raise ValueError(
+                "config.gradient_accumulation_fusion=True is not supported by this tree: "
+                "tensor-parallel layers compute weight gradients with plain autograd; set it "
+                "False (--no-gradient-accumulation-fusion)"
+            )
+        self.config = config
+        self.is_expert = is_expert
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size = group_size(self.tp_group)
+        self.tp_rank = group_rank(self.tp_group)
+        self.sequence_parallel = config.sequence_parallel
+        self.gradient_accumulation_fusion = False
+        self.master_weight: Optional[torch.Tensor] = None
+
+    def _new_parameter(self, *shape: int) -> Parameter:
+        return Parameter(
+            torch.empty(shape, dtype=self.config.params_dtype, device=parameter_device(self.config))
+        )
+
+    def _new_bias(self, size: int) -> Parameter:
+        bias = self._new_parameter(size)
+        if self.config.perform_initialization:
+            with torch.no_grad():
+                bias.zero_()
+        return bias
+
+    # Transformer Engine modules keep an ``_extra_state`` entry in their state dict. An
+    # empty one here keeps checkpoints interchangeable between the local and TE backends.
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore: the local layers keep no extra state."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(f"{prefix}_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(in_features={self.input_size}, "
+            f"out_features={self.output_size}, bias={self.bias is not None}, TP={self.tp_size})"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """Linear layer whose weight is sharded by output features.
+
+    ``gather_output`` all-gathers the output shards so every rank holds ``[..., output_size]``;
+    otherwise each rank returns its ``[..., output_size / tp]`` shard.
+    ``skip_weight_param_allocation`` allocates no weight; ``forward`` then needs ``weight``
+    (e.g. the tied word embeddings of an output layer).
+    ``disable_grad_reduce`` leaves the input gradient as this rank's partial sum, for
+    callers that reduce it themselves. ``embedding_activation_buffer`` and
+    ``grad_output_buffer`` only serve ``defer_embedding_wgrad_compute``, which this tree
+    rejects; ``tp_comm_buffer_name`` only names Transformer Engine buffers. ``tp_group``
+    (our extension) overrides parallel_state's tensor-parallel group.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, *,
+        config: ModelParallelConfig, init_method: Callable,
+        bias: bool = True, gather_output: bool = False, stride: int = 1,
+        keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: Optional[List[torch.Tensor]] = None,
+        grad_output_buffer: Optional[List[torch.Tensor]] = None,
+        is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
+        disable_grad_reduce: bool = False, tp_group: Any = None,
+    ) -> None:
+        super().__init__(config, is_expert, tp_group)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.disable_grad_reduce = disable_grad_reduce
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        # Without sequence parallelism the input is replicated, so its gradient is summed.
+        self.allreduce_dgrad = (
+            self.tp_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+        )
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = self._new_parameter(self.output_size_per_partition, input_size)
+            self.master_weight = init_partitioned_weight(
+                self.weight,
+                full_shape=(output_size, input_size),
+                partition_dim=0,
+                init_method=init_method,
+                config=config,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                stride=stride,
+                keep_master_weight=keep_master_weight_for_test,
+            )
+        if bias:
+            self.bias = self._new_bias(self.output_size_per_partition)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def _weight_for_forward(self, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True, so "
+                    "forward() needs the weight argument"
+                )
+            return self.weight
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(
+                f"weight passed to ColumnParallelLinear.forward has shape {tuple(weight.shape)}, "
+                f"expected {expected} (output_size / tp, input_size)"
+            )
+        return weight
+
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
+        runtime_gather_output: Optional[bool] = None,
+    ):
+        """``input_``: ``[s, b, input_size]`` (``[s/tp, b, input_size]`` with sequence parallel)."""
+        weight = self._weight_for_forward(weight)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_,
+            weight,
+            None if self.skip_bias_add else self.bias,
+            gradient_accumulation_fusion=False,
+            allreduce_dgrad=self.allreduce_dgrad,
+            sequence_parallel=self.sequence_parallel,
+            tp_group=self.tp_group,
+        )
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """Linear layer whose weight is sharded by input features.
+
+    ``input_is_parallel`` says the input already is this rank's ``[..., input_size / tp]``
+    shard (the output of a ColumnParallelLinear); otherwise the full input is split here.
+    The bias is replicated and added after the reduction; with sequence parallelism it
+    carries ``sequence_parallel = True`` because its gradient is then a per-shard partial
+    sum that must be all-reduced over the group.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, *,
+        config: ModelParallelConfig, init_method: Callable,
+        bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
+        keep_master_weight_for_test: bool = False, is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None,
+    ) -> None:
+        super().__init__(config, is_expert, tp_group)
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "RowParallelLinear with config.sequence_parallel=True needs "
+                "input_is_parallel=True, got input_is_parallel=False"
+            )
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+
+        self.weight = self._new_parameter(output_size, self.input_size_per_partition)
+        self.master_weight = init_partitioned_weight(
+            self.weight,
+            full_shape=(output_size, input_size),
+            partition_dim=1,
+            init_method=init_method,
+            config=config,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            stride=stride,
+            keep_master_weight=keep_master_weight_for_test,
+        )
+        if bias:
+            self.bias = self._new_bias(output_size)
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        """``input_``: ``[s, b, input_size / tp]`` if ``input_is_parallel``, else full width."""
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel,
+            self.weight,
+            None,
+            gradient_accumulation_fusion=False,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=self.tp_group,
+        )
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(
+                output_parallel, group=self.tp_group
+            )
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None

@@ -1,0 +1,145 @@
+"""Self-attention: fused QKV projection, rotary embedding, core attention, output projection.
+
+The QKV projection's output is laid out per key/value group, ``[ng, (np/ng + 2) * hn]``: each
+group's query heads, then its key head, then its value head (megatron-core's layout, so
+checkpoints match). A column-parallel split therefore hands every tensor-parallel rank whole
+groups, and a rank's shard equals the same columns of the unsplit layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.params import checked_tp_group
+from megatron.core.transformer.spec import TransformerLayerSpec
+from megatron.core.transformer.unsupported_args import reject_given
+
+
+class SelfAttention(MegatronModule):
+    """Attention of a sequence over itself; input and output ``[s, b, h]``.
+
+    ``forward`` returns ``(output, bias)``: the output projection skips its bias add so the
+    layer can fuse it with dropout and the residual add. ``layer_number`` is the 1-based
+    global layer index. With ``recompute_granularity='selective'`` the core attention is
+    recomputed in backward instead of keeping its activations.
+    """
+
+    def __init__(
+        self,
+        config,
+        spec: TransformerLayerSpec,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        *,
+        tp_group: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        modules = spec.modules()
+        self.tp_group = checked_tp_group(config, tp_group)
+        tp = config.tensor_model_parallel_size
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp
+        self.num_query_groups_per_partition = config.num_query_groups // tp
+        self.query_projection_size = config.kv_channels * config.num_attention_heads
+        self.kv_projection_size = config.kv_channels * config.num_query_groups
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+
+        self.linear_qkv = modules.linear_qkv(
+            config.hidden_size,
+            self.query_projection_size + 2 * self.kv_projection_size,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="qkv",
+            tp_group=self.tp_group,
+        )
+        self.q_layernorm = self.k_layernorm = None
+        if spec.qk_layernorm:
+            self.q_layernorm = modules.norm(config, config.kv_channels)
+            self.k_layernorm = modules.norm(config, config.kv_channels)
+            if tp > 1:
+                # Each rank normalises only its own heads, so these replicated weights get
+                # partial gradients that must be summed over the group, as for sequence
+                # parallelism.
+                for norm in (self.q_layernorm, self.k_layernorm):
+                    for param in norm.parameters():
+                        param.sequence_parallel = True
+        self.core_attention = modules.core_attention(
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            softmax_scale=config.softmax_scale,
+            tp_group=self.tp_group,
+        )
+        self.linear_proj = modules.linear_proj(
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
+        )
+
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states=None):
+        """Project ``[s, b, h]`` to query ``[s, b, np, hn]`` and key/value ``[s, b, ng, hn]``."""
+        if key_value_states is not None:
+            raise ValueError("key_value_states (cross attention) is not supported by SelfAttention")
+        mixed, _ = self.linear_qkv(hidden_states)
+        groups, head_dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
+        heads_per_group = self.num_attention_heads_per_partition // groups
+        mixed = mixed.view(*mixed.shape[:-1], groups, (heads_per_group + 2) * head_dim)
+        query, key, value = torch.split(
+            mixed, [heads_per_group * head_dim, head_dim, head_dim], dim=-1
+        )
+        query = query.reshape(*query.shape[:2], -1, head_dim)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+            key = self.k_layernorm(key)
+        return query, key, value
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                key_value_states=None, inference_params=None, rotary_pos_emb=None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None):
+        """Upstream's signature; ``inference_params``, the precomputed rotary cos/sin, packed
+        sequences and ``sequence_len_offset`` (inference features) must stay None."""
+        reject_given(inference_params=inference_params, rotary_pos_cos=rotary_pos_cos,
+                     rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                     sequence_len_offset=sequence_len_offset)
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            query = apply_rotary_pos_emb(query, q_freqs, config=self.config)
+            key = apply_rotary_pos_emb(key, k_freqs, config=self.config)
+
+        if self.checkpoint_core_attention and self.training:
+            context = checkpoint(
+                self._core_attention, False, query, key, value, attention_mask, attention_bias
+            )
+        else:
+            context = self._core_attention(query, key, value, attention_mask, attention_bias)
+        return self.linear_proj(context)
+
+    def _core_attention(self, query, key, value, attention_mask, attention_bias):
+        return self.core_attention(
+            query, key, value, attention_mask,
+            attn_mask_type=self.attn_mask_type, attention_bias=attention_bias,
+        )

@@ -1,0 +1,115 @@
+"""Core attention for the local backend, on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Masks: ``attention_mask`` follows megatron's convention, a bool tensor broadcastable to
+``[b, heads, sq, sk]`` where True means "may not attend". None with a causal layer means
+plain causal attention, which runs through SDPA's ``is_causal`` path (flash / memory-efficient
+kernels on CUDA for fp16/bf16). A given mask is taken as the complete truth (it must already
+contain the causal part, as megatron's data loaders build it). :func:`drop_causal_mask` lets
+the transformer block replace a mask that is exactly causal by None once per forward, so the
+fast path is kept for data loaders that always build one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+def drop_causal_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """None if ``attention_mask`` masks exactly the future positions of every row, else the mask.
+
+    Costs one comparison (and one device sync) per call; the block calls it once per forward.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(
+            f"attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}"
+        )
+    if attention_mask.dim() != 4 or attention_mask.size(1) != 1:
+        raise ValueError(
+            "attention_mask must have shape [b or 1, 1, sq, sk], got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    sq, sk = attention_mask.shape[-2:]
+    future = torch.ones(sq, sk, dtype=torch.bool, device=attention_mask.device).triu(1)
+    return None if bool((attention_mask == future).all()) else attention_mask
+
+
+class DotProductAttention(MegatronModule):
+    """softmax(q k^T * scale [+ mask]) v with dropout, for this rank's heads.
+
+    Inputs are sequence-first: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]``
+    where ``np`` is a multiple of ``ng`` (grouped-query attention shares each key/value head
+    between ``np / ng`` consecutive query heads). Returns ``[sq, b, np * hn]``.
+    ``tp_group`` is accepted for parity with the Transformer Engine backend; this kernel only
+    sees this rank's heads and never communicates.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 tp_group: Any = None) -> None:
+        super().__init__(config=config)
+        if cp_comm_type is not None:
+            raise ValueError("cp_comm_type is not supported: context parallelism is not implemented")
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r} is not supported; only 'self'")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if softmax_scale is None:
+            softmax_scale = config.softmax_scale
+        self.softmax_scale = (
+            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError(
+                "attention_bias and packed_seq_params are not supported by local attention"
+            )
+        mask_type = attn_mask_type or self.attn_mask_type
+        sq, batch, heads, head_dim = query.shape
+        groups = key.size(2)
+        if heads % groups:
+            raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
+        # SDPA wants [b, heads, s, d].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        sdpa_mask = None if attention_mask is None else ~attention_mask
+        is_causal = attention_mask is None and mask_type in (
+            AttnMaskType.causal, AttnMaskType.padding_causal
+        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Sharded heads need different dropout masks per tensor-parallel rank; with sequence
+        # parallelism the block has already switched to that RNG stream.
+        rng = contextlib.nullcontext()
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            rng = get_cuda_rng_tracker().fork()
+        with rng:
+            context = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=sdpa_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=groups != heads,
+            )
+        return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * head_dim)

@@ -1,0 +1,178 @@
+"""Which global transformer layers each pipeline chunk holds.
+
+Global layer order runs chunk-major: virtual chunk 0 of pipeline ranks 0..pp-1, then virtual
+chunk 1 of ranks 0..pp-1, and so on (megatron-core's interleaved assignment). A pipeline rank
+holds ``L / pp`` layers, or the sizes given by ``num_layers_in_first_pipeline_stage`` /
+``num_layers_in_last_pipeline_stage`` with the rest split evenly over the middle ranks; each
+of its ``vpp`` chunks holds an equal share. With 8 layers, pp=2, vpp=2: rank 0 holds [0, 1]
+and [4, 5], rank 1 holds [2, 3] and [6, 7].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from megatron.core import parallel_state
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The model chunk being built: pipeline rank/size and virtual (interleaved) rank/size."""
+
+    rank: int = 0
+    size: int = 1
+    virtual_rank: Optional[int] = None
+    virtual_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"PipelineStage.rank={self.rank} must lie in [0, size={self.size})")
+        if (self.virtual_rank is None) != (self.virtual_size is None):
+            raise ValueError(
+                "PipelineStage.virtual_rank and virtual_size must both be set or both be None, "
+                f"got virtual_rank={self.virtual_rank}, virtual_size={self.virtual_size}"
+            )
+        if self.virtual_size is not None and not 0 <= self.virtual_rank < self.virtual_size:
+            raise ValueError(
+                f"PipelineStage.virtual_rank={self.virtual_rank} must lie in "
+                f"[0, virtual_size={self.virtual_size})"
+            )
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this chunk sees the embeddings (first rank, first virtual chunk)."""
+        return self.rank == 0 and self.virtual_rank in (None, 0)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this chunk computes the output (last rank, last virtual chunk)."""
+        last_virtual = self.virtual_rank is None or self.virtual_rank == self.virtual_size - 1
+        return self.rank == self.size - 1 and last_virtual
+
+
+def _virtual_size(config: TransformerConfig) -> int:
+    return config.virtual_pipeline_model_parallel_size or 1
+
+
+def layers_per_pipeline_rank(config: TransformerConfig) -> list[int]:
+    """Layers held by each pipeline rank (all of its virtual chunks together)."""
+    pp, total = config.pipeline_model_parallel_size, config.num_layers
+    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        return [total // pp] * pp
+    middle_ranks = pp - (first is not None) - (last is not None)
+    middle_layers = total - (first or 0) - (last or 0)
+    per_middle = middle_layers // middle_ranks if middle_ranks else 0
+    counts = [per_middle] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def check_layer_split(config: TransformerConfig) -> None:
+    """Raise ValueError, naming the fields, unless the layers split exactly over the chunks."""
+    pp, vpp, total = config.pipeline_model_parallel_size, _virtual_size(config), config.num_layers
+    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        if total % (pp * vpp):
+            raise ValueError(
+                f"num_layers={total} does not divide evenly over pipeline_model_parallel_size={pp} "
+                f"x virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size}"
+                f" = {pp * vpp} model chunks; choose num_layers as a multiple of {pp * vpp}, or set "
+                "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
+            )
+        return
+    if pp < 2:
+        raise ValueError(
+            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage need "
+            f"pipeline_model_parallel_size >= 2, got {pp}"
+        )
+    for name, value in (("num_layers_in_first_pipeline_stage", first),
+                        ("num_layers_in_last_pipeline_stage", last)):
+        if value is not None and (value < 1 or value % vpp):
+            raise ValueError(
+                f"{name}={value} must be >= 1 and a multiple of "
+                f"virtual_pipeline_model_parallel_size={vpp}"
+            )
+    middle_ranks = pp - (first is not None) - (last is not None)
+    middle_layers = total - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_ranks == 0 and middle_layers != 0):
+        raise ValueError(
+            f"num_layers_in_first_pipeline_stage={first} and num_layers_in_last_pipeline_stage="
+            f"{last} do not fit num_layers={total} with pipeline_model_parallel_size={pp}"
+        )
+    if middle_ranks and middle_layers % (middle_ranks * vpp):
+        raise ValueError(
+            f"the {middle_layers} layers left for the {middle_ranks} middle pipeline ranks "
+            f"(num_layers={total} minus num_layers_in_first/last_pipeline_stage) do not divide "
+            f"evenly over them x virtual_pipeline_model_parallel_size={vpp}"
+        )
+
+
+def layer_range(config: TransformerConfig, stage: PipelineStage) -> range:
+    """Global (0-based) indices of the layers held by ``stage``."""
+    pp, vpp = config.pipeline_model_parallel_size, _virtual_size(config)
+    if stage.size != pp or (stage.virtual_size or 1) != vpp:
+        raise ValueError(
+            f"pipeline stage {stage} does not match the config's pipeline_model_parallel_size="
+            f"{pp} and virtual_pipeline_model_parallel_size="
+            f"{config.virtual_pipeline_model_parallel_size}"
+        )
+    per_chunk = [count // vpp for count in layers_per_pipeline_rank(config)]
+    chunk = stage.virtual_rank or 0
+    start = chunk * sum(per_chunk) + sum(per_chunk[: stage.rank])
+    return range(start, start + per_chunk[stage.rank])
+
+
+def current_pipeline_stage(config: TransformerConfig) -> PipelineStage:
+    """The chunk being built on this rank, read from parallel_state as upstream model providers
+    expect (``set_virtual_pipeline_model_parallel_rank(i)`` before building chunk ``i``)."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        return PipelineStage()
+    try:
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        state_size = parallel_state.get_pipeline_model_parallel_world_size()
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"pipeline_model_parallel_size={pp}: cannot tell which stage to build because "
+            "parallel_state is not initialised; initialise it, or pass "
+            "pipeline_stage=PipelineStage(...) explicitly"
+        ) from err
+    if state_size != pp:
+        raise ValueError(
+            f"config.pipeline_model_parallel_size={pp} but parallel_state has {state_size} "
+            "pipeline stages"
+        )
+    state_vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if (state_vpp or 1) != (vpp or 1):
+        raise ValueError(
+            f"config.virtual_pipeline_model_parallel_size={vpp} but parallel_state has "
+            f"virtual pipeline size {state_vpp}"
+        )
+    if vpp is None:
+        return PipelineStage(rank=rank, size=pp)
+    virtual_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    if virtual_rank is None:
+        raise RuntimeError(
+            "virtual_pipeline_model_parallel_size is set but parallel_state has no virtual "
+            "rank; call parallel_state.set_virtual_pipeline_model_parallel_rank(i) before "
+            "building model chunk i"
+        )
+    return PipelineStage(rank=rank, size=pp, virtual_rank=virtual_rank, virtual_size=vpp)
+
+
+def get_transformer_layer_offset(config: TransformerConfig) -> int:
+    """Global index of the first layer of the chunk being built (megatron-core's name)."""
+    return layer_range(config, current_pipeline_stage(config)).start
+
+
+def get_num_layers_to_build(config: TransformerConfig) -> int:
+    """Number of layers in the chunk being built (megatron-core's name)."""
+    return len(layer_range(config, current_pipeline_stage(config)))

@@ -1,0 +1,76 @@
+"""The position-wise MLP: column-parallel fc1, activation (optionally gated), row-parallel fc2.
+
+With ``gated_linear_unit`` fc1 produces ``[gate | up]`` and the activation computes
+``act(gate) * up`` (SwiGLU with ``activation_func=F.silu``). fc1 is then split over
+tensor-parallel ranks with stride 2, so each rank holds matching slices of both halves and
+the unsplit layer's weight is exactly ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.params import checked_tp_group
+from megatron.core.transformer.spec import TransformerLayerSpec
+
+
+class MLP(MegatronModule):
+    """``[s, b, h] -> [s, b, h]``; ``forward`` returns ``(output, bias)`` with fc2's bias not
+    yet added, so the layer can fuse it with dropout and the residual add."""
+
+    def __init__(
+        self,
+        config,
+        spec: TransformerLayerSpec,
+        is_expert: bool = False,
+        input_size: int | None = None,
+        *,
+        tp_group: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if is_expert:
+            raise ValueError("is_expert=True is not supported: mixture of experts is not implemented")
+        modules = spec.modules()
+        self.tp_group = checked_tp_group(config, tp_group)
+        self.input_size = config.hidden_size if input_size is None else input_size
+        self.activation_func = config.activation_func
+        gated = config.gated_linear_unit
+        self.linear_fc1 = modules.linear_fc1(
+            self.input_size,
+            config.ffn_hidden_size * (2 if gated else 1),
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            is_expert=False,
+            stride=2 if gated else 1,
+            tp_comm_buffer_name="fc1",
+            tp_group=self.tp_group,
+        )
+        self.linear_fc2 = modules.linear_fc2(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc2",
+            tp_group=self.tp_group,
+        )
+
+    def forward(self, hidden_states: torch.Tensor):
+        intermediate, fc1_bias = self.linear_fc1(hidden_states)
+        if fc1_bias is not None:
+            intermediate = intermediate + fc1_bias
+        if self.config.gated_linear_unit:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = self.activation_func(gate) * up
+        else:
+            intermediate = self.activation_func(intermediate)
+        return self.linear_fc2(intermediate)

@@ -1,0 +1,84 @@
+"""Layer specs: which implementation builds each part of a transformer layer.
+
+Upstream describes layers with nested ``ModuleSpec`` trees; this tree only has two
+implementations, so a spec is a small value naming the backend and the options, and
+``modules()`` returns the constructors the layer uses. Every constructor takes upstream's
+arguments for that slot (e.g. ``linear_qkv(input_size, output_size, config=, init_method=,
+bias=, gather_output=, skip_bias_add=, ...)``) plus ``tp_group=``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron.core.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.norms import build_norm
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+@dataclass(frozen=True)
+class LayerModules:
+    """Constructors for the parts of one transformer layer."""
+
+    norm: Callable
+    """(config, hidden_size, eps) -> module; the standalone norms (also the final one)."""
+
+    linear_qkv: Callable
+    """Column-parallel projection to queries, keys and values."""
+
+    core_attention: Callable
+    """(config, layer_number, attn_mask_type, attention_type, ...) -> softmax(qk^T)v module."""
+
+    linear_proj: Callable
+    """Row-parallel attention output projection."""
+
+    linear_fc1: Callable
+    """Column-parallel first MLP projection."""
+
+    linear_fc2: Callable
+    """Row-parallel second MLP projection."""
+
+    input_norms_fused: bool
+    """linear_qkv / linear_fc1 apply the preceding norm themselves (Transformer Engine's
+    LayerNormLinear), so the layer builds no input_layernorm / pre_mlp_layernorm."""
+
+
+LOCAL_MODULES = LayerModules(
+    norm=build_norm,
+    linear_qkv=ColumnParallelLinear,
+    core_attention=DotProductAttention,
+    linear_proj=RowParallelLinear,
+    linear_fc1=ColumnParallelLinear,
+    linear_fc2=RowParallelLinear,
+    input_norms_fused=False,
+)
+
+
+@dataclass(frozen=True)
+class TransformerLayerSpec:
+    """What GPTModel's ``transformer_layer_spec`` holds in this tree.
+
+    ``transformer_impl``: 'local' (torch and this tree's tensor-parallel layers) or
+    'transformer_engine'. ``qk_layernorm``: normalise queries and keys per head before the
+    rotary embedding and the dot product.
+    """
+
+    transformer_impl: str = "local"
+    qk_layernorm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(
+                f"transformer_impl={self.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}"
+            )
+
+    def modules(self) -> LayerModules:
+        if self.transformer_impl == "local":
+            return LOCAL_MODULES
+        # Imported here so that nothing but this branch ever touches Transformer Engine.
+        from megatron.core.transformer.te_backend import te_layer_modules
+
+        return te_layer_modules()
