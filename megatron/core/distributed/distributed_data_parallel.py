@@ -1,0 +1,198 @@
+"""Data-parallel wrapper that accumulates gradients in contiguous buffers.
+
+Backward hooks add each parameter's ``.grad`` into ``param.main_grad`` (a view into a
+per-dtype buffer) and drop ``.grad``, so gradients accumulate across microbatches in the
+buffer's dtype (fp32 with ``grad_reduce_in_fp32``). The buffer is cut into buckets that are
+all-reduced over the data-parallel group, or reduce-scattered for the distributed
+optimizer; with ``overlap_grad_reduce`` each bucket is launched during backward as soon as
+it is complete.
+
+Per-iteration protocol (what upstream training loops do):
+``zero_grad_buffer()`` -> forward/backward of every microbatch (all but the last inside
+``no_sync()``) -> ``finish_grad_sync()`` (usually through ``finalize_model_grads``) ->
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed.bucket_group import BucketGroup, partition_buckets
+from megatron.core.distributed.collective_group import CollectiveGroup, resolve_group
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+
+logger = logging.getLogger(__name__)
+
+
+def _default_bucket_size(data_parallel_size: int) -> int:
+    # Large data-parallel groups need larger messages to stay bandwidth-bound.
+    return max(40_000_000, 1_000_000 * data_parallel_size)
+
+
+def _first_pipeline_stage() -> bool:
+    if not parallel_state.model_parallel_is_initialized():
+        return True
+    return parallel_state.get_pipeline_model_parallel_rank() == 0
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` so its gradients live in contiguous buffers and are reduced over DP.
+
+    ``config`` is the model's (Transformer/ModelParallel) config; ``calculate_per_token_loss``
+    in it turns off the 1/dp averaging (``finalize_model_grads`` divides by the token count
+    instead). ``disable_bucketing`` puts every parameter in one bucket group (used for model
+    chunks after the first with interleaved pipelining). ``data_parallel_group`` overrides
+    parallel_state's data(+context)-parallel group.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        ddp_config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        disable_bucketing: bool = False,
+        *,
+        data_parallel_group: Any = None,
+    ):
+        super().__init__()
+        if not isinstance(ddp_config, DistributedDataParallelConfig):
+            raise TypeError(
+                f"ddp_config must be a DistributedDataParallelConfig, got "
+                f"{type(ddp_config).__name__}"
+            )
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.data_parallel_group: CollectiveGroup = resolve_group(
+            data_parallel_group,
+            lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
+        )
+        dp_size = self.data_parallel_group.size
+
+        # One bucket unless reductions overlap with backward; later pipeline stages do not
+        # gain from bucketing because their reduction is not on the critical path.
+        self.bucket_size: int | None = None
+        if ddp_config.overlap_grad_reduce and not disable_bucketing and _first_pipeline_stage():
+            self.bucket_size = ddp_config.bucket_size or _default_bucket_size(dp_size)
+
+        if getattr(config, "calculate_per_token_loss", False):
+            scaling = 1.0  # finalize_model_grads divides by the global token count
+        elif ddp_config.average_in_collective:
+            scaling = 1.0  # ReduceOp.AVG divides by dp_size
+        else:
+            scaling = 1.0 / dp_size
+
+        self.params_with_grad: list[torch.nn.Parameter] = []
+        param_to_name: dict[torch.nn.Parameter, str] = {}
+        by_dtype: OrderedDict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = (
+            OrderedDict()
+        )
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            if not getattr(param, "allreduce", True):
+                raise ValueError(
+                    f"parameter {name!r} has allreduce=False (an expert-parallel parameter); "
+                    f"mixture-of-experts is not supported by this tree"
+                )
+            param.grad_added_to_main_grad = False
+            self.params_with_grad.append(param)
+            param_to_name[param] = name
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+
+        self.buffers: list[ParamAndGradBuffer] = [
+            ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params,
+                               self.data_parallel_group, self.bucket_size, param_to_name,
+                               scaling)
+            for (param_dtype, grad_dtype), params in by_dtype.items()
+        ]
+        for buffer in self.buffers:
+            logger.debug("DistributedDataParallel buffer: %s", buffer.describe())
+        self.bucket_groups: list[BucketGroup] = partition_buckets(
+            self.buffers, force_single_bucket_group=disable_bucketing
+        )
+        self.param_to_bucket_group = {
+            p: group for group in self.bucket_groups for p in group.params
+        }
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
+            for param in self.params_with_grad
+        ]
+
+    def _accumulate_into_main_grad(self, param: torch.nn.Parameter) -> None:
+        bucket_group = self.param_to_bucket_group[param]
+        bucket_group.check_accepts_gradients()
+        # A fused weight-gradient kernel may already have written into main_grad.
+        if param.grad is not None and not param.grad_added_to_main_grad:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.ddp_config.overlap_grad_reduce:
+            bucket_group.register_grad_ready(param)
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without launching reductions (all microbatches but the last)."""
+        for group in self.bucket_groups:
+            group.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for group in self.bucket_groups:
+                group.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused) -> None:
+        """Launch the gradient reduction of every bucket group (async with overlap)."""
+        for group in self.bucket_groups:
+            group.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Complete the gradient reduction of every bucket group, launching any not started."""
+        for group in self.bucket_groups:
+            group.finish_grad_sync()
+
+    def start_param_sync(self, *unused) -> None:
+        """All-gather the parameter shards updated by the distributed optimizer."""
+        for group in self.bucket_groups:
+            group.start_param_sync()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for buffer in self.buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all gradient buffers and reset the reduction state; call once per iteration."""
+        for param in self.params_with_grad:
+            param.grad_added_to_main_grad = False
+        for buffer in self.buffers:
+            buffer.reset()
+        for group in self.bucket_groups:
+            group.reset()
+
+    def broadcast_params(self) -> None:
+        """Copy data-parallel rank 0's parameters to the other data-parallel ranks."""
+        with torch.no_grad():
+            for param in self.module.parameters():
+                self.data_parallel_group.broadcast(param.data, src_group_rank=0)
+
+    def state_dict(self, prefix: str = "", keep_vars: bool = False):
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        inner = getattr(self.module, "state_dict_for_save_checkpoint", self.module.state_dict)
+        return inner(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

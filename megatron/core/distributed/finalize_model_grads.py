@@ -1,0 +1,148 @@
+"""After the last backward of an iteration: make every gradient final before the optimizer.
+
+``finalize_model_grads`` is what pipeline schedules call (``config.finalize_model_grads_func``):
+
+1. complete the data-parallel reduction of every model chunk;
+2. sum over the tensor-parallel group the gradients of parameters marked
+   ``sequence_parallel`` (replicated weights such as norms whose gradient each TP rank
+   computed on its own slice of the sequence), and, with ``qk_layernorm``, of the
+   query/key norm weights (computed on each rank's heads);
+3. sum over the embedding group the gradients of parameters marked ``shared_embedding``
+   (the tied word-embedding / output weight held by the first and last pipeline stages);
+4. with ``num_tokens`` (per-token loss), divide all gradients by the global token count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron.core import parallel_state
+from megatron.core.distributed.collective_group import CollectiveGroup, resolve_group
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, timer_span
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer will read: main_grad under DDP, else .grad."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _named_params(model: Sequence[torch.nn.Module]) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    for chunk in model:
+        yield from get_attr_wrapped_model(chunk, "named_parameters")()
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group: CollectiveGroup) -> None:
+    """Sum ``grads`` over ``group`` in one collective, in place."""
+    if not grads or group.is_trivial:
+        return
+    flat = _flatten_dense_tensors(grads)
+    group.all_reduce(flat)
+    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)
+
+
+def _is_qk_norm(name: str) -> bool:
+    return "q_layernorm" in name or "k_layernorm" in name
+
+
+def _allreduce_sequence_parallel_grads(model, config, tp_group: Any) -> None:
+    qk_layernorm = getattr(config, "qk_layernorm", False)
+    grads = []
+    for name, param in _named_params(model):
+        if not param.requires_grad:
+            continue
+        if getattr(param, "sequence_parallel", False) or (qk_layernorm and _is_qk_norm(name)):
+            grad = _grad_of(param)
+            if grad is not None:
+                grads.append(grad)
+    if grads:  # only then is a tensor-parallel group needed at all
+        group = resolve_group(tp_group, parallel_state.get_tensor_model_parallel_group)
+        _all_reduce_coalesced(grads, group)
+
+
+def _allreduce_shared_embedding_grads(model, embedding_group: Any) -> None:
+    grads = []
+    for _, param in _named_params(model):
+        if param.requires_grad and getattr(param, "shared_embedding", False):
+            grad = _grad_of(param)
+            if grad is not None:
+                grads.append(grad)
+    if not grads:
+        return  # untied embeddings, or a stage that holds no embedding
+    group = resolve_group(embedding_group, parallel_state.get_embedding_group)
+    _all_reduce_coalesced(grads, group)
+
+
+def _finish_data_parallel_sync(model, dp_group: Any) -> None:
+    for index, chunk in enumerate(model):
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if finish is not None:
+            finish()
+            continue
+        group = resolve_group(dp_group, parallel_state.get_data_parallel_group)
+        if not group.is_trivial:
+            raise TypeError(
+                f"model chunk {index} ({type(chunk).__name__}) has no finish_grad_sync(); with "
+                f"data-parallel size {group.size} every chunk must be wrapped in "
+                f"megatron.core.distributed.DistributedDataParallel"
+            )
+
+
+def _scale_all_grads(model, scaling: float) -> None:
+    for chunk in model:
+        scale = getattr(chunk, "scale_gradients", None)
+        if scale is not None:
+            scale(scaling)
+            continue
+        for param in chunk.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scaling)
+
+
+def _global_token_count(num_tokens: torch.Tensor, pp_group: CollectiveGroup,
+                        dp_group: CollectiveGroup) -> torch.Tensor:
+    # Only the last pipeline stage computed the loss, so only it knows the count.
+    pp_group.broadcast(num_tokens, src_group_rank=pp_group.size - 1)
+    dp_group.all_reduce(num_tokens)
+    return num_tokens
+
+
+def finalize_model_grads(
+    model: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    *,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    dp_group: Any = None,
+    embedding_group: Any = None,
+) -> None:
+    """Finish DP reduction, then the TP/embedding reductions, then per-token scaling.
+
+    ``model`` is the list of this rank's model chunks. ``num_tokens`` (a tensor, modified
+    in place) is this rank's token count from the last pipeline stage; it is broadcast
+    over the pipeline and summed over data-parallel ranks first. The groups default to
+    parallel_state's (nothing is communicated when torch.distributed is not running); a
+    group is only looked up when there is something to reduce over it.
+    """
+    if isinstance(model, torch.nn.Module):
+        model = [model]
+    config = get_model_config(model[0])
+
+    with timer_span(config, "all-grads-sync", log_level=1):
+        _finish_data_parallel_sync(model, dp_group)
+    with timer_span(config, "layernorm-grads-all-reduce", log_level=1):
+        _allreduce_sequence_parallel_grads(model, config, tp_group)
+    with timer_span(config, "embedding-grads-all-reduce", log_level=1):
+        _allreduce_shared_embedding_grads(model, embedding_group)
+
+    if num_tokens is not None:
+        pp = resolve_group(pp_group, parallel_state.get_pipeline_model_parallel_group)
+        dp = resolve_group(dp_group, parallel_state.get_data_parallel_group)
+        total = _global_token_count(num_tokens, pp, dp)
+        count = total.item()
+        if count > 0:
+            _scale_all_grads(model, 1.0 / count)

@@ -1,0 +1,384 @@
+"""Megatron optimizers: a torch optimizer plus gradient bookkeeping around its step.
+
+``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``:
+
+* :class:`FP32Optimizer` steps fp32 parameters on their (DDP main) gradients directly.
+* :class:`Float16OptimizerWithFloat16Params` keeps fp32 main copies of fp16/bf16 parameters,
+  unscales the gradients (fp16 loss scaling), skips the step when any rank of the
+  model-parallel group saw inf/nan, and copies the updated main parameters back.
+
+Both clip by the global L2 norm over the model-parallel group, counting each tensor-parallel
+duplicate and each shared embedding once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.collective_group import CollectiveGroup, resolve_group
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.param_attributes import (
+    copy_grad_stats_attributes,
+    counts_toward_grad_stats,
+    resolve_tensor_parallel_rank,
+)
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def timed_phase(config: OptimizerConfig, name: str):
+    """Time one optimizer phase with ``config.timers`` (upstream's Timers protocol)."""
+    if config.timers is None:
+        yield
+        return
+    config.timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
+    try:
+        yield
+    finally:
+        config.timers(name).stop()
+
+
+def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            param.grad.detach_()
+            param.grad.zero_()
+
+
+class MegatronOptimizer(ABC):
+    """Wraps a torch optimizer whose ``param_groups`` hold the parameters it updates.
+
+    ``init_state_fn(torch_optimizer)`` allocates empty optimizer state (checkpoint loaders
+    call it before filling the state in). Two attributes choose the groups used for
+    gradient statistics: ``grad_stats_parallel_group`` (default: parallel_state's
+    model-parallel group) and ``tensor_parallel_group`` (default: parallel_state's).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 init_state_fn: Callable | None = None):
+        if optimizer is None:
+            raise ValueError("optimizer must be a torch optimizer, got None (a model chunk "
+                             "without trainable parameters is not supported)")
+        self.optimizer = optimizer
+        self.config = config
+        self.init_state_fn = init_state_fn
+        self.grad_stats_parallel_group: Any = None
+        self.tensor_parallel_group: Any = None
+
+    # ------------------------------------------------------------ groups and params
+
+    def _default_grad_stats_group(self) -> CollectiveGroup:
+        return resolve_group(None, parallel_state.get_model_parallel_group)
+
+    def get_grad_stats_parallel_group(self) -> CollectiveGroup:
+        """The ranks over which gradient norms, zero counts and inf/nan flags are combined."""
+        if self.grad_stats_parallel_group is not None:
+            return resolve_group(self.grad_stats_parallel_group, lambda: None)
+        return self._default_grad_stats_group()
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """The tensors the torch optimizer updates (main parameters where they exist)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        tp_rank = resolve_tensor_parallel_rank(self.tensor_parallel_group)
+        return [p.grad for p in self.get_parameters()
+                if p.grad is not None and counts_toward_grad_stats(p, tp_rank)]
+
+    # ------------------------------------------------------------ gradient statistics
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
+                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the main gradients to a global norm of ``clip_grad``; return the norm before."""
+        grad_norm = self.get_grad_norm()
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        return count_zeros_fp32(
+            self.get_parameters(), self.get_grad_stats_parallel_group(),
+            tensor_parallel_rank=resolve_tensor_parallel_rank(self.tensor_parallel_group))
+
+    # ------------------------------------------------------------ the step
+
+    @abstractmethod
+    def prepare_grads(self) -> bool:
+        """Put the gradients where the torch optimizer reads them; True if inf/nan found."""
+
+    @abstractmethod
+    def step_with_ready_grads(self) -> bool:
+        """Run the torch optimizer and publish the new parameters; True on success."""
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """Prepare, clip, count zeros and step; ``(False, None, None)`` when skipped."""
+        with timed_phase(self.config, "optimizer-copy-to-main-grad"):
+            found_inf = self.prepare_grads()
+        if found_inf:
+            return False, None, None
+        grad_norm = self._empty_statistic()
+        if self.config.clip_grad > 0.0:
+            with timed_phase(self.config, "optimizer-clip-main-grad"):
+                grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self._empty_statistic()
+        if self.config.log_num_zeros_in_grad:
+            with timed_phase(self.config, "optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
+        with timed_phase(self.config, "optimizer-inner-step"):
+            success = self.step_with_ready_grads()
+        return success, grad_norm, num_zeros
+
+    def _empty_statistic(self) -> float | None:
+        """What step() reports for a statistic it did not compute (None, as upstream)."""
+        return None
+
+    # ------------------------------------------------------------ the rest of the API
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        ...
+
+    @abstractmethod
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale, a one-element tensor on the training device."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.get_loss_scale() * loss
+
+    @abstractmethod
+    def reload_model_params(self) -> None:
+        """Refresh main parameters after the model parameters were changed from outside."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        ...
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict) -> None:
+        ...
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """Steps fp32 parameters in place; uses DDP's ``main_grad`` as the gradient if present."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 init_state_fn: Callable | None = None):
+        super().__init__(optimizer, config, init_state_fn)
+        params = self.get_parameters()
+        device = params[0].device if params else torch.device("cpu")
+        self._scale = torch.ones(1, dtype=torch.float32, device=device)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        clear_grads(self.get_parameters(), set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale
+
+    def prepare_grads(self) -> bool:
+        for param in self.get_parameters():
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                param.grad = main_grad
+        return False
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        return True
+
+    def reload_model_params(self) -> None:
+        return None  # the model parameters are the main parameters
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Common part of optimizers whose main (fp32) parameters differ from the model's.
+
+    ``grad_scaler`` may be None only without fp16 (bf16 usually trains unscaled). With a
+    scaler, main gradients are unscaled and checked for inf/nan before every step; an
+    overflow anywhere in the grad-stats group skips the step on every rank.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler: MegatronGradScaler | None, init_state_fn: Callable | None):
+        super().__init__(optimizer, config, init_state_fn)
+        if grad_scaler is None and config.fp16:
+            raise ValueError("fp16 training needs a grad_scaler (a loss scale); got None")
+        self.grad_scaler = grad_scaler
+        params = self.get_parameters()
+        device = params[0].device if params else torch.device("cpu")
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._scale_one = torch.ones(1, dtype=torch.float32, device=device)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _empty_statistic(self) -> float | None:
+        return 0.0  # upstream's mixed-precision optimizers report 0 rather than None
+
+    @abstractmethod
+    def _copy_model_grads_to_main_grads(self) -> None:
+        ...
+
+    @abstractmethod
+    def _copy_main_params_to_model_params(self) -> None:
+        ...
+
+    @abstractmethod
+    def _main_grads(self) -> list[torch.Tensor]:
+        """The gradients of the main parameters, to unscale and check."""
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        self.found_inf.fill_(0.0)
+        grads = self._main_grads()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, self.found_inf, self.grad_scaler.inv_scale.to(self.found_inf.device))
+        self.get_grad_stats_parallel_group().all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
+        return self.found_inf.item() > 0
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is None:
+            return False
+        found_inf = self._unscale_main_grads_and_check_for_nan()
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """fp16/bf16 model parameters updated through fp32 main copies (fp32 ones in place)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler: MegatronGradScaler | None, init_state_fn: Callable | None = None):
+        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+        self.float16_groups: list[list[torch.nn.Parameter]] = []
+        self.fp32_from_float16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: list[list[torch.nn.Parameter]] = []
+        for group in self.optimizer.param_groups:
+            half, main, fp32 = [], [], []
+            for index, param in enumerate(group["params"]):
+                if param.dtype in HALF_DTYPES:
+                    main_param = param.detach().clone().float()
+                    copy_grad_stats_attributes(main_param, param)
+                    group["params"][index] = main_param
+                    param.main_param = main_param
+                    if param in self.optimizer.state:
+                        self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                    half.append(param)
+                    main.append(main_param)
+                elif param.dtype == torch.float32:
+                    fp32.append(param)
+                else:
+                    raise TypeError(
+                        f"parameters must be fp32, fp16 or bf16, got one of dtype {param.dtype} "
+                        f"and shape {tuple(param.shape)}"
+                    )
+            self.float16_groups.append(half)
+            self.fp32_from_float16_groups.append(main)
+            self.fp32_from_fp32_groups.append(fp32)
+
+    def _pairs(self):
+        for half, main in zip(self.float16_groups, self.fp32_from_float16_groups):
+            yield from zip(half, main)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for groups in (self.float16_groups, self.fp32_from_float16_groups,
+                       self.fp32_from_fp32_groups):
+            for group in groups:
+                clear_grads(group, set_to_none)
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.get_parameters() if p.grad is not None]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_param, main_param in self._pairs():
+            grad = getattr(model_param, "main_grad", None)
+            if grad is None:
+                grad = model_param.grad
+            main_param.grad = None if grad is None else grad.float()
+            model_param.grad = None
+        for group in self.fp32_from_fp32_groups:
+            for param in group:
+                main_grad = getattr(param, "main_grad", None)
+                if main_grad is not None:
+                    param.grad = main_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_param, main_param in self._pairs():
+            model_param.data.copy_(main_param)
+
+    def reload_model_params(self) -> None:
+        with torch.no_grad():
+            for model_param, main_param in self._pairs():
+                main_param.copy_(model_param)
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "fp32_from_fp16_params": self.fp32_from_float16_groups}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        saved_groups = state_dict["fp32_from_fp16_params"]
+        if [len(g) for g in saved_groups] != [len(g) for g in self.fp32_from_float16_groups]:
+            raise ValueError("state_dict['fp32_from_fp16_params'] does not match this "
+                             "optimizer's parameter groups")
+        with torch.no_grad():
+            for current, saved in zip(self.fp32_from_float16_groups, saved_groups):
+                for current_param, saved_param in zip(current, saved):
+                    current_param.copy_(saved_param)
