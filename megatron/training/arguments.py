@@ -13,92 +13,24 @@ virtual pipeline size); an inconsistent combination is an error that names the f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import typing
 from typing import Any, Callable, Optional
 
 import torch
 
-
-def option(default: Any, help: str, *, choices: Optional[tuple] = None,
-           flags: Optional[tuple[str, ...]] = None) -> Any:
-    """A dataclass field that is also a command-line flag."""
-    return dataclasses.field(default=default,
-                             metadata={"help": help, "choices": choices, "flags": flags})
-
-
-@dataclasses.dataclass
-class ModelShapeArgs:
-    num_layers: Optional[int] = option(None, "number of transformer layers")
-
-
-@dataclasses.dataclass
-class ParallelismArgs:
-    tensor_model_parallel_size: int = option(1, "tensor model-parallel degree")
-    pipeline_model_parallel_size: int = option(1, "pipeline model-parallel degree (stages)")
-    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
-        None, "layers per virtual pipeline stage (interleaved schedule)")
-    num_virtual_stages_per_pipeline_rank: Optional[int] = option(
-        None, "virtual pipeline stages (model chunks) per pipeline rank (interleaved schedule)")
-    context_parallel_size: int = option(1, "context-parallel degree (only 1 is supported)")
-    sequence_parallel: bool = option(False, "shard activations along the sequence in TP regions")
-    use_tp_pp_dp_mapping: bool = option(
-        False, "number ranks tp, cp, pp, dp (fastest first) instead of tp, cp, dp, pp")
-
-
-@dataclasses.dataclass
-class DistributedArgs:
-    distributed_backend: str = option("nccl", "torch.distributed backend",
-                                      choices=("nccl", "gloo"))
-    distributed_timeout_minutes: int = option(
-        10, "timeout of collectives and p2p once training runs")
-    distributed_startup_timeout_seconds: float = option(
-        300.0, "how long start-up waits for every rank to arrive and agree before failing "
-               "with the names of the missing or disagreeing ranks")
-    local_rank: int = option(int(os.getenv("LOCAL_RANK", "0")),
-                             "local rank (default: $LOCAL_RANK, set by torchrun)")
-
-
-@dataclasses.dataclass
-class RandomArgs:
-    seed: int = option(1234, "random seed for python, numpy and torch")
-    data_parallel_random_init: bool = option(
-        False, "initialise parameters differently on each data-parallel rank")
-
-
-ARGUMENT_GROUPS: tuple[tuple[str, type], ...] = (
-    ("model shape", ModelShapeArgs),
-    ("parallelism", ParallelismArgs),
-    ("distributed", DistributedArgs),
-    ("randomness", RandomArgs),
+from megatron.training.argument_groups import (
+    ARGUMENT_GROUPS, CheckpointArgs, DataArgs, DistributedArgs, LoggingArgs, MixedPrecisionArgs,
+    ModelArgs, ParallelismArgs, RandomArgs, TrainingArgs,
 )
+from megatron.training.argument_schema import add_config_arguments, config_from_args, flag_name
 
-def flag_name(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _add_field(group, field: dataclasses.Field, annotation) -> None:
-    meta = field.metadata
-    names = meta.get("flags") or (flag_name(field.name),)
-    kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": meta["help"]}
-    base = typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Union \
-        else annotation
-    if base is bool:
-        kwargs["action"] = "store_true"
-    else:
-        kwargs["type"] = base
-        if meta.get("choices"):
-            kwargs["choices"] = meta["choices"]
-    group.add_argument(*names, **kwargs)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
-    """Add one flag per field of the dataclass ``cls``, in an argument group ``title``."""
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        _add_field(group, field, hints[field.name])
+# The typed config groups and the helpers are importable from here as well.
+__all__ = [
+    "ARGUMENT_GROUPS", "CheckpointArgs", "DataArgs", "DistributedArgs", "LoggingArgs",
+    "MixedPrecisionArgs", "ModelArgs", "ParallelismArgs", "RandomArgs", "TrainingArgs",
+    "ArgumentError", "add_config_arguments", "config_from_args", "flag_name", "parse_args",
+    "validate_args", "validate_training_args", "agreement_items", "build_parser",
+]
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
@@ -120,11 +52,6 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
     else:
         args = parser.parse_args(argv)
     return args
-
-
-def config_from_args(args: argparse.Namespace, cls: type):
-    """The typed config ``cls`` with the values of ``args``."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 class ArgumentError(ValueError):
@@ -182,13 +109,79 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         # As upstream: sequence parallelism only exists inside tensor-parallel regions.
         args.sequence_parallel = False
+    # As upstream's CLI: overlapped p2p is unbatched, blocking p2p is batched.
+    args.batch_p2p_comm = not args.overlap_p2p_comm
+    # Fused weight-gradient accumulation needs kernels this tree does not ship.
+    args.gradient_accumulation_fusion = False
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA devices and none is "
                             "visible; on CPU use --distributed-backend gloo")
     if args.distributed_startup_timeout_seconds <= 0 or args.distributed_timeout_minutes <= 0:
         raise ArgumentError("--distributed-startup-timeout-seconds and "
                             "--distributed-timeout-minutes must be positive")
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are alternatives; give one")
+    args.params_dtype = (torch.float16 if args.fp16 else
+                         torch.bfloat16 if args.bf16 else torch.float32)
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are alternatives")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.transformer.te_backend import require_transformer_engine
+
+        try:
+            require_transformer_engine()
+        except RuntimeError as error:
+            raise ArgumentError(f"--transformer-impl transformer_engine: {error}") from None
+    if args.tokenizer_type is None and args.mock_data and args.vocab_size:
+        args.tokenizer_type = "NullTokenizer"  # synthetic data only needs a vocabulary size
+    _fill_model_defaults(args)
     return args
+
+
+def _fill_model_defaults(args: argparse.Namespace) -> None:
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.num_attention_heads and args.hidden_size:
+        if args.kv_channels is None:
+            args.kv_channels = args.hidden_size // args.num_attention_heads
+        if not args.group_query_attention:
+            args.num_query_groups = args.num_attention_heads
+    if args.hidden_size and args.ffn_hidden_size is None:
+        if args.swiglu:
+            # As upstream: two thirds of 4h (SwiGLU has three matrices), rounded to 64.
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.micro_batch_size is not None and args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+
+
+_REQUIRED_FOR_TRAINING = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                          "micro_batch_size", "train_iters", "lr")
+
+
+def validate_training_args(args: argparse.Namespace) -> None:
+    """What pretraining needs on top of ``validate_args``; errors name the flags."""
+    missing = [flag_name(name) for name in _REQUIRED_FOR_TRAINING if getattr(args, name) is None]
+    if missing:
+        raise ArgumentError(f"pretraining needs {', '.join(missing)}")
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size} = {per_step}")
+    if args.max_position_embeddings < args.seq_length and args.position_embedding_type == \
+            "learned_absolute":
+        raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
+                            f"than --seq-length {args.seq_length}")
+    if not args.mock_data and not args.data_path:
+        raise ArgumentError("pretraining needs --data-path (or --mock-data for synthetic data)")
+    if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):
+        raise ArgumentError("pretraining needs --tokenizer-type (or --mock-data with "
+                            "--vocab-size)")
 
 
 def agreement_items(args: argparse.Namespace) -> list[tuple[str, Any]]:

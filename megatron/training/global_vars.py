@@ -1,4 +1,5 @@
-"""The process-wide parsed arguments, as upstream's ``get_args()`` exposes them."""
+"""The process-wide parsed arguments and tokenizer, as upstream's ``get_args()`` and
+``get_tokenizer()`` expose them."""
 
 from __future__ import annotations
 
@@ -17,3 +18,17 @@ def get_args() -> argparse.Namespace:
 def set_args(args: Optional[argparse.Namespace]) -> None:
     global _ARGS
     _ARGS = args
+
+
+_TOKENIZER = None
+
+
+def get_tokenizer():
+    if _TOKENIZER is None:
+        raise RuntimeError("no tokenizer: initialize_megatron() builds one from --tokenizer-type")
+    return _TOKENIZER
+
+
+def set_tokenizer(tokenizer) -> None:
+    global _TOKENIZER
+    _TOKENIZER = tokenizer

@@ -56,7 +56,7 @@ from megatron.training import rendezvous
 from megatron.training.arguments import (
     agreement_items, build_parser, flag_name, parse_args, validate_args,
 )
-from megatron.training.global_vars import get_args, set_args
+from megatron.training.global_vars import get_args, set_args, set_tokenizer
 
 
 def initialize_megatron(extra_args_provider: Optional[Callable] = None,
@@ -74,6 +74,10 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
     args = parse_args(extra_args_provider, ignore_unknown_args, argv)
     validate_args(args, args_defaults)
     set_args(args)
+    if getattr(args, "tokenizer_type", None):
+        from megatron.training.tokenizer import build_tokenizer
+
+        set_tokenizer(build_tokenizer(args))
     if skip_mpu_initialization:
         return
     _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
@@ -177,7 +181,8 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable],
 
 def _set_random_seed(seed_: int, data_parallel_random_init: bool = False,
                      te_rng_tracker: bool = False, inference_rng_tracker: bool = False) -> None:
-    """Seed python, numpy and torch (all devices), distinct per pipeline stage.
+    """Seed python, numpy, torch (all devices) and the model-parallel RNG tracker, distinct per
+    pipeline stage.
 
     As upstream: stage ``p`` uses ``seed + 100 * p``, plus ``10 * dp_rank`` with
     ``data_parallel_random_init``, so stages initialise different layers differently while
@@ -193,3 +198,7 @@ def _set_random_seed(seed_: int, data_parallel_random_init: bool = False,
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    # Dropout inside tensor-parallel regions draws from a per-TP-rank stream.
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed)

@@ -8,7 +8,7 @@ from megatron.training.initialize import initialize_megatron
 
 
 def start_inside_existing_process_group(rank, world_size):
-    initialize_megatron(argv=["--distributed-backend", "gloo",
+    initialize_megatron(argv=["--distributed-backend", "gloo", "--transformer-impl", "local",
                               "--pipeline-model-parallel-size", "2", "--seed", "42"])
     args = get_args()
     report = {

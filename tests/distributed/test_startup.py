@@ -16,7 +16,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "start_megatron.py")
 TIMEOUT_S = 8
 # The bound: every failure ends within the configured start-up timeout + 30 s.
 BOUND_S = TIMEOUT_S + 30
-BASE = [SCRIPT, "--distributed-backend", "gloo",
+BASE = [SCRIPT, "--distributed-backend", "gloo", "--transformer-impl", "local",
         "--distributed-startup-timeout-seconds", str(TIMEOUT_S)]
 
 

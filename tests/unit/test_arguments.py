@@ -17,7 +17,7 @@ def world(monkeypatch):
 
 
 def parsed(*argv):
-    return parse_args(argv=["--distributed-backend", "gloo", *argv])
+    return parse_args(argv=["--distributed-backend", "gloo", "--transformer-impl", "local", *argv])
 
 
 def test_defaults_match_upstream(world):
@@ -35,8 +35,10 @@ def test_typed_configs_round_trip(world):
     args = validate_args(parsed("--pipeline-model-parallel-size", "2", "--sequence-parallel",
                                 "--tensor-model-parallel-size", "2"))
     parallel = config_from_args(args, ParallelismArgs)
+    # validate_args turns fused gradient accumulation off: its kernels are not part of this tree.
     assert parallel == ParallelismArgs(tensor_model_parallel_size=2,
-                                       pipeline_model_parallel_size=2, sequence_parallel=True)
+                                       pipeline_model_parallel_size=2, sequence_parallel=True,
+                                       gradient_accumulation_fusion=False)
     assert config_from_args(args, DistributedArgs).distributed_backend == "gloo"
 
 
@@ -100,7 +102,8 @@ def test_extra_args_provider_and_defaults(world):
         parser.add_argument("--my-flag", type=int, default=None)
         return parser
 
-    args = validate_args(parse_args(extra, argv=["--distributed-backend", "gloo"]),
+    args = validate_args(parse_args(extra, argv=["--distributed-backend", "gloo",
+                                                 "--transformer-impl", "local"]),
                          defaults={"my_flag": 7})
     assert args.my_flag == 7
 
@@ -111,3 +114,52 @@ def test_agreement_items_leave_out_per_rank_values(world):
     assert "rank" not in names and "local_rank" not in names
     assert names.index("tensor_model_parallel_size") < names.index("seed")
     assert "world_size" in names
+
+
+def test_upstream_flag_spellings_and_negations(world):
+    world(2)
+    args = validate_args(parsed("--disable-bias-linear", "--no-overlap-p2p-communication",
+                                "--untie-embeddings-and-output-weights", "--swiglu",
+                                "--hidden-size", "256", "--num-attention-heads", "8",
+                                "--seq-length", "64", "--micro-batch-size", "2",
+                                "--data-path", "0.3", "a", "0.7", "b", "--use-mcore-models"))
+    assert args.add_bias_linear is False and args.untie_embeddings_and_output_weights
+    assert args.overlap_p2p_comm is False and args.batch_p2p_comm is True
+    assert args.ffn_hidden_size == 640 and args.kv_channels == 32 and args.num_query_groups == 8
+    assert args.max_position_embeddings == 64 and args.global_batch_size == 4
+    assert args.data_path == ["0.3", "a", "0.7", "b"]
+    defaults = validate_args(parsed())
+    assert defaults.overlap_p2p_comm is True and defaults.batch_p2p_comm is False
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fp16", "--bf16"], "--fp16 and --bf16 are alternatives"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "alternatives"),
+    (["--save-interval", "5"], "--save-interval needs --save"),
+])
+def test_more_inconsistent_flags(world, argv, message):
+    world(1)
+    with pytest.raises(ArgumentError, match=message):
+        validate_args(parsed(*argv))
+
+
+def test_transformer_engine_without_it_names_the_local_implementation(world):
+    world(1)
+    with pytest.raises(ArgumentError, match="--transformer-impl local"):
+        validate_args(parse_args(argv=["--distributed-backend", "gloo"]))
+
+
+def test_training_needs_its_flags(world):
+    from megatron.training.arguments import validate_training_args
+
+    world(2)
+    args = validate_args(parsed())
+    with pytest.raises(ArgumentError, match="--num-layers, --hidden-size"):
+        validate_training_args(args)
+    args = validate_args(parsed("--num-layers", "2", "--hidden-size", "8",
+                                "--num-attention-heads", "2", "--seq-length", "16",
+                                "--micro-batch-size", "2", "--global-batch-size", "6",
+                                "--train-iters", "3", "--lr", "1e-3", "--mock-data",
+                                "--vocab-size", "64"))
+    with pytest.raises(ArgumentError, match="--global-batch-size 6 is not a multiple"):
+        validate_training_args(args)

@@ -1,0 +1,94 @@
+"""Microbatches for the trainer: which samples each data-parallel rank reads, and batching.
+
+``MicrobatchSampler`` walks the dataset in global batches: the i-th global batch holds samples
+[i * g, (i + 1) * g) (g = global batch size) and data-parallel rank r reads its own contiguous
+share of each microbatch step, so resuming from ``consumed_samples`` continues exactly where
+training stopped. ``collate`` pads samples of different lengths (``--variable-seq-lengths``)
+to the longest in the microbatch, with no loss on the padding; different microbatches keep
+different lengths, which the pipeline handles.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Optional
+
+import torch
+
+
+class MicrobatchSampler:
+    """Index lists of one microbatch for this data-parallel rank, from ``consumed_samples`` on."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int):
+        if total_samples <= 0:
+            raise ValueError("the dataset split is empty: no samples to read")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} outside "
+                             f"[0, {data_parallel_size})")
+        self.total = total_samples
+        self.consumed = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.size = data_parallel_rank, data_parallel_size
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // (self.micro_batch_size * self.size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.size
+        start = self.consumed
+        while start + step <= self.total:
+            first = start + self.rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+            start += step
+
+
+def collate(samples: list[dict], *, pad_id: int, multiple_of: int = 1) -> dict[str, torch.Tensor]:
+    """Stack samples into ``[b, s]`` tensors, padding to the longest (rounded up to a multiple)."""
+    length = max(sample["tokens"].numel() for sample in samples)
+    length = -(-length // multiple_of) * multiple_of
+    batch: dict[str, torch.Tensor] = {}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        if key not in samples[0]:
+            continue
+        rows = []
+        for sample in samples:
+            value = sample[key]
+            missing = length - value.numel()
+            if missing:
+                if key == "position_ids":
+                    filler = torch.arange(value.numel(), length, dtype=value.dtype)
+                else:
+                    fill = 0 if key == "loss_mask" else pad_id
+                    filler = torch.full((missing,), fill, dtype=value.dtype)
+                value = torch.cat([value, filler])
+            rows.append(value)
+        batch[key] = torch.stack(rows)
+    if all("attention_mask" in s for s in samples) and all(
+            s["tokens"].numel() == length for s in samples):
+        batch["attention_mask"] = torch.stack([s["attention_mask"] for s in samples])
+    return batch
+
+
+def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> Optional[
+        torch.utils.data.DataLoader]:
+    """A loader of this rank's microbatches of ``dataset`` (None for no dataset)."""
+    if dataset is None:
+        return None
+    from megatron.core import parallel_state
+
+    sampler = MicrobatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                parallel_state.get_data_parallel_rank(),
+                                parallel_state.get_data_parallel_world_size())
+    multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        collate_fn=lambda samples: collate(samples, pad_id=pad_id, multiple_of=multiple),
+        persistent_workers=args.num_workers > 0)
+
+
+def cyclic_iter(loader) -> Iterator:
+    """Go through ``loader`` again and again (validation reuses its split)."""
+    for epoch in itertools.count():
+        del epoch
+        yield from loader

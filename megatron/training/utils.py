@@ -1,0 +1,31 @@
+"""Small helpers of the trainer: printing from the right rank, averaging reported losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def average_losses_across_data_parallel_group(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of each loss over the data-parallel group (upstream's helper)."""
+    from megatron.core import parallel_state
+
+    averaged = torch.cat([loss.detach().clone().view(1) for loss in losses])
+    if dist.is_initialized():
+        dist.all_reduce(averaged, group=parallel_state.get_data_parallel_group())
+        averaged /= parallel_state.get_data_parallel_world_size()
+    return averaged

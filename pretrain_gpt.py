@@ -1,0 +1,102 @@
+"""Pretrain a GPT model: the model provider, batches, loss and datasets; pretrain() does the rest.
+
+    torchrun --nproc_per_node 8 pretrain_gpt.py <Megatron-LM flags>
+
+See README.md and examples/ for complete command lines.
+"""
+
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.training import get_args, get_tokenizer
+from megatron.training.config_builders import core_transformer_config_from_args
+from megatron.training.training import pretrain
+from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """This rank's chunk of the GPT (``pre_process``: owns the embedding; ``post_process``:
+    the output layer and the loss)."""
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    if args.transformer_impl == "local":
+        spec = get_gpt_layer_local_spec()
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+        post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+
+
+def get_batch(data_iterator):
+    """The microbatch's tensors on the device; None on stages that read no data."""
+    if not (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if get_args().distributed_backend == "nccl" else "cpu"
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
+            batch["position_ids"])
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean loss over the tokens that count; the report is averaged over data parallelism."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    reported = average_losses_across_data_parallel_group([loss])
+    return loss, {"lm loss": reported[0]}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def is_dataset_built_on_rank() -> bool:
+    return (parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path) if not args.mock_data else None,
+        split=args.split or ("969,30,1" if not args.mock_data else None),
+        path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask,
+        pack_sequences=not args.variable_seq_lengths)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples,
+                                         is_dataset_built_on_rank,
+                                         core_gpt_dataset_config_from_args(args)).build()
+
+
+if __name__ == "__main__":
+    train_valid_test_datasets_provider.is_distributed = True
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+             forward_step)
