@@ -1,0 +1,161 @@
+"""Install upstream megatron-core wheels, patch them, and run ``upstream_rank.py`` on gloo ranks.
+
+Every rank is a separate interpreter whose ``PYTHONPATH`` holds only the installed wheel (and
+triton where the wheel needs it), so upstream's ``megatron`` and this project's never share a
+process. Every launch has a hard deadline: ranks still running then are killed by the pids
+this module started, and the launch is reported as timed out rather than left hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+RANK_SCRIPT = Path(__file__).with_name("upstream_rank.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PATCHES = REPO_ROOT / "patches"
+
+
+class HarnessError(RuntimeError):
+    """Setting up upstream code failed (download, install or patch), not the scenario."""
+
+
+def _run(command: list[str], *, cwd: Optional[Path] = None, env: Optional[dict] = None,
+         timeout_s: float = 300) -> str:
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise HarnessError(
+            f"command {command} failed with exit code {done.returncode}:\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return done.stdout + done.stderr
+
+
+def download_and_install(requirement: str, wheels: Path, target: Path, *,
+                         ignore_requires_python: bool = False) -> Path:
+    """``pip download`` one wheel (no dependencies) and install it into ``target`` only."""
+    relax = ["--ignore-requires-python"] if ignore_requires_python else []
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    _run(pip + ["download", "--no-deps", "--only-binary=:all:", *relax, "-d", str(wheels),
+                requirement])
+    name = requirement.split("==")[0].replace("-", "_")
+    version = requirement.split("==")[1] if "==" in requirement else ""
+    matches = sorted(wheels.glob(f"{name}-{version}*.whl"))
+    if not matches:
+        raise HarnessError(f"pip download of {requirement!r} left no wheel in {wheels}")
+    _run(pip + ["install", "--quiet", "--no-deps", *relax, "--target", str(target),
+                str(matches[-1])])
+    return target
+
+
+def apply_patch(patch_file: Path, installed: Path) -> str:
+    """Apply the ``megatron/`` part of a format-patch file to an installed wheel's tree.
+
+    The wheel holds ``megatron/`` but not upstream's ``tests/``, so the other files a patch
+    adds are left out. ``--check`` first, so a patch that no longer fits fails loudly before
+    anything is changed.
+    """
+    if not patch_file.is_file():
+        raise HarnessError(f"patch file {patch_file} does not exist")
+    command = ["git", "apply", "-p1", "--include=megatron/*", "--verbose"]
+    # Outside a repository `git apply` patches paths relative to the working directory; the
+    # ceiling keeps it from finding a repository above a temp dir that sits inside one.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(installed.resolve().parent)}
+    _run(command + ["--check", str(patch_file.resolve())], cwd=installed, env=env)
+    return _run(command + [str(patch_file.resolve())], cwd=installed, env=env)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LaunchOutcome:
+    """What the ranks of one launch did, and what each finished scenario saved."""
+
+    exit_codes: list[Optional[int]]  # None: still running at the deadline, then killed
+    timed_out: bool
+    logs: list[str]
+    results: dict[str, list[Optional[dict]]] = field(default_factory=dict)
+
+    def finished(self, scenario: str) -> bool:
+        return all(result is not None for result in self.results.get(scenario, [None]))
+
+    def errors(self) -> list[str]:
+        """Per rank, the last line of its log that names an error (empty if none)."""
+        found = []
+        for log in self.logs:
+            lines = [line.strip() for line in log.splitlines() if "Error" in line]
+            found.append(lines[-1] if lines else "")
+        return found
+
+    def describe(self) -> str:
+        lines = [f"exit codes {self.exit_codes}, timed out: {self.timed_out}"]
+        for rank, log in enumerate(self.logs):
+            tail = "\n    ".join(log.strip().splitlines()[-12:])
+            lines.append(f"rank {rank} log tail:\n    {tail}")
+        return "\n".join(lines)
+
+
+def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str], out: Path,
+           deadline_s: float, num_microbatches: Optional[int] = None) -> LaunchOutcome:
+    """Run ``upstream_rank.py`` on ``pipeline_size`` gloo ranks; never wait past the deadline."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        key: value for key, value in os.environ.items()
+        if not key.startswith(("PYTHON", "PYTEST", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    }
+    env.update(
+        PYTHONPATH=os.pathsep.join(str(path) for path in python_path),
+        PYTHONDONTWRITEBYTECODE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(pipeline_size),
+        OMP_NUM_THREADS="1",
+    )
+    give_up_at = time.monotonic() + deadline_s
+    command = [sys.executable, str(RANK_SCRIPT), "--pipeline-size", str(pipeline_size),
+               "--out", str(out), "--deadline-at", str(time.time() + deadline_s)]
+    for scenario in scenarios:
+        command += ["--scenario", scenario]
+    if num_microbatches is not None:
+        command += ["--num-microbatches", str(num_microbatches)]
+
+    log_paths = [out / f"rank{rank}.log" for rank in range(pipeline_size)]
+    processes: list[subprocess.Popen] = []
+    try:
+        for rank, log_path in enumerate(log_paths):
+            with open(log_path, "w") as log:
+                processes.append(subprocess.Popen(
+                    command, env={**env, "RANK": str(rank)}, cwd=RANK_SCRIPT.parent,
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                ))
+        while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):
+            time.sleep(0.1)
+        exit_codes = [p.poll() for p in processes]
+    finally:
+        # Also on an interrupt of the test itself: no rank outlives its launch.
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    timed_out = any(code is None for code in exit_codes)
+
+    outcome = LaunchOutcome(exit_codes, timed_out, [path.read_text() for path in log_paths])
+    for scenario in scenarios:
+        saved = [out / f"{scenario}-rank{rank}.pt" for rank in range(pipeline_size)]
+        outcome.results[scenario] = [
+            torch.load(path, weights_only=False) if path.exists() else None for path in saved
+        ]
+    return outcome
