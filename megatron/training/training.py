@@ -191,13 +191,31 @@ def build_train_valid_test_data_iterators(provider: Callable, consumed_samples: 
                build_data_loader(valid_set, 0, args, pad_id=pad_id),
                build_data_loader(test_set, 0, args, pad_id=pad_id)]
 
-    def iterators(loader, cyclic: bool):
+    # Stages in the middle of the pipeline read no data but must run every evaluation too:
+    # every rank learns which splits exist anywhere.
+    present = torch.tensor([loader is not None for loader in loaders], dtype=torch.int32,
+                           device=_device(args))
+    if dist.is_initialized():
+        dist.all_reduce(present, op=dist.ReduceOp.MAX)
+
+    def iterators(loader, exists: bool, cyclic: bool):
+        if not exists:
+            return None
         if loader is None:
-            return [None] * num_chunks if num_chunks > 1 else None
+            return _NoData(num_chunks)
         make = (lambda: cyclic_iter(loader)) if cyclic else (lambda: iter(loader))
         return [make() for _ in range(num_chunks)] if num_chunks > 1 else make()
 
-    return iterators(loaders[0], False), iterators(loaders[1], True), iterators(loaders[2], True)
+    return (iterators(loaders[0], bool(present[0]), False),
+            iterators(loaders[1], bool(present[1]), True),
+            iterators(loaders[2], bool(present[2]), True))
+
+
+class _NoData(list):
+    """What a stage that reads no data passes to the schedule: one None per model chunk."""
+
+    def __init__(self, num_chunks: int):
+        super().__init__([None] * num_chunks)
 
 
 def _padding_token(tokenizer) -> int:
@@ -209,9 +227,16 @@ def _padding_token(tokenizer) -> int:
     return pad if isinstance(pad, int) and pad >= 0 else tokenizer.eod
 
 
+def _for_schedule(data_iterator, model):
+    if isinstance(data_iterator, _NoData):
+        return list(data_iterator) if len(model) > 1 else None
+    return data_iterator
+
+
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
     """One iteration: every microbatch forward and backward, then the optimizer step."""
     args = get_args()
+    data_iterator = _for_schedule(data_iterator, model)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -344,6 +369,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
     """Mean reported losses over ``--eval-iters`` forward-only iterations."""
     del process_non_loss_data_func, verbose, config
     args = get_args()
+    data_iterator = _for_schedule(data_iterator, model)
     for chunk in model:
         chunk.eval()
     totals: dict[str, float] = {}

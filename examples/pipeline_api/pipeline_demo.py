@@ -1,10 +1,10 @@
-"""Train a small model with interleaved pipeline parallelism on CPU/gloo, and check it.
+"""megatron.core's pipeline API on its own: train a small model, interleaved, on CPU/gloo.
 
 This is the combination upstream Megatron-LM breaks (pipeline size 2, two virtual stages per
 rank, variable sequence lengths, batched p2p): a hang or a crash with variable lengths,
 silently wrong gradients with equal ones. Launch it like any Megatron job:
 
-    torchrun --nproc_per_node 2 examples/quickstart/pipeline_demo.py
+    torchrun --nproc_per_node 2 examples/pipeline_api/pipeline_demo.py
 
 Each step runs one global batch of microbatches of different lengths through the
 interleaved 1F1B schedule, then Adam. At the end the pipelined loss curve is compared with
