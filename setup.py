@@ -25,5 +25,5 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "sentencepiece"],
+    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers>=0.19"],
 )
