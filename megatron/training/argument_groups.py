@@ -12,6 +12,7 @@ import os
 from typing import Optional
 
 from megatron.training.argument_schema import option
+from megatron.training.tokenizer.tokenizer_args import TokenizerArgs
 
 
 @dataclasses.dataclass
@@ -155,14 +156,6 @@ class DataArgs:
     split: Optional[str] = option(None, "train,valid,test proportions (default 969,30,1)")
     data_cache_path: Optional[str] = option(None, "directory for cached dataset indices")
     mock_data: bool = option(False, "synthetic data instead of --data-path")
-    tokenizer_type: Optional[str] = option(
-        None, "tokenizer", choices=("Llama2Tokenizer", "SentencePieceTokenizer",
-                                    "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
-                                    "NullTokenizer"))
-    tokenizer_model: Optional[str] = option(None, "SentencePiece model file")
-    vocab_file: Optional[str] = option(None, "vocabulary file (GPT2BPETokenizer)")
-    merge_file: Optional[str] = option(None, "BPE merges file (GPT2BPETokenizer)")
-    vocab_size: Optional[int] = option(None, "vocabulary size (NullTokenizer)")
     reset_position_ids: bool = option(False, "restart position ids after each end of document")
     reset_attention_mask: bool = option(False, "no attention across end of document")
     eod_mask_loss: bool = option(False, "no loss on end-of-document tokens")
@@ -204,6 +197,7 @@ ARGUMENT_GROUPS: tuple[tuple[str, type], ...] = (
     ("training", TrainingArgs),
     ("mixed precision", MixedPrecisionArgs),
     ("data", DataArgs),
+    ("tokenizer", TokenizerArgs),  # declared next to the tokenizers, shared with preprocess_data
     ("checkpointing", CheckpointArgs),
     ("logging and evaluation", LoggingArgs),
     ("randomness", RandomArgs),
