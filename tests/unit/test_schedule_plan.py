@@ -183,6 +183,21 @@ def test_simulator_reports_a_deadlock_with_what_each_rank_waits_for():
         simulate(plans, PlanSpec(2, 1, 2))
 
 
+def test_serialized_links_deadlock_where_unordered_ones_complete():
+    # Each rank's link to the other runs its operations in posting order: rank 0 first
+    # receives, rank 1 first receives too, so neither head meets the other's head.
+    spec = PlanSpec(2, 1, 1)
+    act = Transfer(Kind.ACTIVATION, 0, 0, 1)
+    grad = Transfer(Kind.GRADIENT, 0, 1, 0)
+    plans = [[Post((grad,)), Post((act,)), Wait((grad, act))],
+             [Post((act,)), Post((grad,)), Wait((act, grad))]]
+    simulate(plans, spec)
+    with pytest.raises(PlanError, match="deadlock: rank 0 waits for gradient"):
+        simulate(plans, spec, serialize=True)
+    plans[1] = [Post((grad,)), Post((act,)), Wait((act, grad))]
+    simulate(plans, spec, serialize=True)
+
+
 def test_simulator_reports_use_before_arrival():
     spec = PlanSpec(2, 1, 2)
     plans = build_all_plans(spec)

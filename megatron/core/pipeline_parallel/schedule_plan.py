@@ -51,6 +51,14 @@ class Transfer:
     # protocol, which only the models of upstream's schedules (upstream_plans) produce.
     part: str = "tensor"
 
+    def __post_init__(self) -> None:
+        # Transfers key every table of the simulator; hash the fields once, not per lookup.
+        object.__setattr__(self, "_hash", hash(
+            (self.kind, self.microbatch, self.src_stage, self.dst_stage, self.part)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def peer_op(self, pipeline_rank: int, pipeline_size: int) -> PeerOp:
         """What this transfer is on ``pipeline_rank``: one of the four neighbour operations."""
         sending = self.src_stage % pipeline_size == pipeline_rank

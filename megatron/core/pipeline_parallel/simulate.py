@@ -71,6 +71,7 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bo
     computed: list[list[Compute]] = [[] for _ in range(p)]
     messages = 0
     rounds = 0
+    touched: set[tuple[int, int]] = set()
 
     def counterpart(rank: int, transfer: Transfer) -> _Endpoint | None:
         key, index, is_send = posted[(rank, transfer)]
@@ -92,32 +93,33 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bo
         return heads[fifo] == position
 
     def advance_serialized() -> None:
-        # Complete every head unit whose operations all meet counterparts at their heads.
-        progressed = True
-        while progressed:
-            progressed = False
-            for fifo, fifo_units in units.items():
-                while heads[fifo] < len(fifo_units):
-                    unit = fifo_units[heads[fifo]]
-                    pending = [op for op in unit if op not in completed]
-                    ready = []
-                    for rank, transfer in pending:
-                        other = counterpart(rank, transfer)
-                        if other is None or not at_head(other.rank, other.transfer):
-                            break
-                        ready.append((rank, transfer))
-                        ready.append((other.rank, other.transfer))
-                    else:
-                        completed.update(ready)
-                        heads[fifo] += 1
-                        progressed = True
-                        continue
-                    # A partially matched unit still completes the operations that matched
-                    # (e.g. the send half of a batch), which can unblock the peer's head.
-                    if ready and any(op not in completed for op in ready):
-                        completed.update(ready)
-                        progressed = True
-                    break
+        # Complete every head unit whose operations all meet counterparts at their heads. Only
+        # FIFOs touched since the last call can move: a post touches its own FIFO and the
+        # reverse one, and a completion in a FIFO touches the reverse one (its counterparts).
+        while touched:
+            fifo = touched.pop()
+            fifo_units = units[fifo]
+            while heads[fifo] < len(fifo_units):
+                unit = fifo_units[heads[fifo]]
+                pending = [op for op in unit if op not in completed]
+                ready = []
+                for rank, transfer in pending:
+                    other = counterpart(rank, transfer)
+                    if other is None or not at_head(other.rank, other.transfer):
+                        break
+                    ready.append((rank, transfer))
+                    ready.append((other.rank, other.transfer))
+                else:
+                    completed.update(ready)
+                    heads[fifo] += 1
+                    touched.add(fifo[::-1])
+                    continue
+                # A partially matched unit still completes the operations that matched
+                # (e.g. the send half of a batch), which can unblock the peer's head.
+                if ready and any(op not in completed for op in ready):
+                    completed.update(ready)
+                    touched.add(fifo[::-1])
+                break
 
     def matched(rank: int, transfer: Transfer) -> bool:
         if (rank, transfer) not in posted:
@@ -153,6 +155,8 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bo
                             batch_units[peer] = [(rank, transfer)]
                             units[fifo].append(batch_units[peer])
                         unit_of[(rank, transfer)] = (fifo, len(units[fifo]) - 1)
+                        if serialize:
+                            touched.update((fifo, fifo[::-1]))
                 elif isinstance(action, Wait):
                     if not all(matched(rank, t) for t in action.transfers):
                         break

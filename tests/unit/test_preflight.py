@@ -1,0 +1,43 @@
+"""The trainer's pre-flight: the layout is proven before any model or process group is built."""
+
+import types
+
+import pytest
+
+from megatron.core.pipeline_parallel import simulate
+from megatron.core.pipeline_parallel.schedule_plan import build_all_plans
+from megatron.core.pipeline_parallel.upstream_plans import upstream_batched_order
+from megatron.training import training
+
+
+def trainer_args(pp, vpp, global_batch, **overrides):
+    values = dict(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                  global_batch_size=global_batch, micro_batch_size=1, data_parallel_size=1,
+                  overlap_p2p_comm=False, batch_p2p_comm=True,
+                  microbatch_group_size_per_vp_stage=None)
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize("pp,vpp,m,overlap", [
+    (2, 2, 4, False), (2, 2, 4, True), (4, 2, 8, False), (3, None, 5, False), (8, 4, 64, True),
+])
+def test_our_layouts_pass(pp, vpp, m, overlap):
+    training.preflight_pipeline_check(
+        trainer_args(pp, vpp, m, overlap_p2p_comm=overlap, batch_p2p_comm=not overlap))
+
+
+def test_a_crossing_order_is_refused_with_the_simulators_report(monkeypatch):
+    # Upstream's batched order in place of ours: pretrain() must stop before building anything.
+    def upstream_check(spec, *, serialize, batched):
+        return simulate.simulate(build_all_plans(spec), spec, serialize=serialize,
+                                 batched=batched, ordering=upstream_batched_order)
+    monkeypatch.setattr(training, "check_spec", upstream_check)
+    with pytest.raises(simulate.PlanError, match="crossed on channel"):
+        training.preflight_pipeline_check(trainer_args(2, 2, 4))
+    training.preflight_pipeline_check(trainer_args(4, 2, 8))  # the crossing is pp2-only
+
+
+def test_pipeline_size_one_needs_no_check(monkeypatch):
+    monkeypatch.setattr(training, "check_spec", lambda *a, **k: pytest.fail("checked pp1"))
+    training.preflight_pipeline_check(trainer_args(1, None, 4))
