@@ -47,6 +47,14 @@ class ModelArgs:
     attention_dropout: float = option(0.1, "dropout on attention probabilities")
     init_method_std: float = option(0.02, "standard deviation of weight initialisation")
     attention_softmax_in_fp32: bool = option(False, "accepted; SDPA accumulates in fp32 anyway")
+    bias_gelu_fusion: bool = option(True, "fuse the MLP bias and GeLU into one kernel (CUDA)",
+                                    negative=("--no-bias-gelu-fusion",))
+    bias_swiglu_fusion: bool = option(True, "fuse the MLP bias and SwiGLU into one kernel (CUDA)",
+                                      negative=("--no-bias-swiglu-fusion",))
+    bias_dropout_fusion: bool = option(True, "fuse bias, dropout and residual add (CUDA)",
+                                       negative=("--no-bias-dropout-fusion",))
+    masked_softmax_fusion: bool = option(True, "accepted; SDPA fuses scale, mask and softmax",
+                                         negative=("--no-masked-softmax-fusion",))
     recompute_granularity: Optional[str] = option(None, "activation recomputation",
                                                   choices=("full", "selective"))
     recompute_method: Optional[str] = option(None, "which layers to recompute (full)",

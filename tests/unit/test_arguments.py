@@ -6,6 +6,7 @@ from megatron.training.arguments import (
     ArgumentError, DistributedArgs, ParallelismArgs, agreement_items, config_from_args,
     parse_args, validate_args,
 )
+from megatron.training.config_builders import core_transformer_config_from_args
 
 
 @pytest.fixture
@@ -163,3 +164,18 @@ def test_training_needs_its_flags(world):
                                 "--vocab-size", "64"))
     with pytest.raises(ArgumentError, match="--global-batch-size 6 is not a multiple"):
         validate_training_args(args)
+
+
+def test_fusion_flags_select_the_fusions_as_upstream(world):
+    world(1)
+    model = ("--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+             "--seq-length", "4", "--micro-batch-size", "1")
+
+    def config(*flags):
+        return core_transformer_config_from_args(validate_args(parsed(*model, *flags)))
+
+    assert config().bias_activation_fusion and config().bias_dropout_fusion
+    off = config("--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion")
+    assert not (off.bias_activation_fusion or off.bias_dropout_fusion or off.masked_softmax_fusion)
+    assert config("--swiglu", "--no-bias-gelu-fusion").bias_activation_fusion
+    assert not config("--swiglu", "--no-bias-swiglu-fusion").bias_activation_fusion

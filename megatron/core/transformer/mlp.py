@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron.core.fusions.fused_bias_activation import bias_activation, fused_bias_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
 from megatron.core.transformer.spec import TransformerLayerSpec
@@ -45,7 +46,8 @@ class MLP(MegatronModule):
             init_method=config.init_method,
             gather_output=False,
             bias=config.add_bias_linear,
-            skip_bias_add=True,
+            # Fused: the bias joins the activation's kernel; else the GEMM adds it.
+            skip_bias_add=config.bias_activation_fusion,
             is_expert=False,
             stride=2 if gated else 1,
             tp_comm_buffer_name="fc1",
@@ -66,11 +68,7 @@ class MLP(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor):
         intermediate, fc1_bias = self.linear_fc1(hidden_states)
-        if fc1_bias is not None:
-            intermediate = intermediate + fc1_bias
-        if self.config.gated_linear_unit:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self.activation_func(gate) * up
-        else:
-            intermediate = self.activation_func(intermediate)
+        activate = fused_bias_activation if self.config.bias_activation_fusion else bias_activation
+        intermediate = activate(intermediate, fc1_bias, self.activation_func,
+                                self.config.gated_linear_unit)
         return self.linear_fc2(intermediate)

@@ -5,8 +5,9 @@ class unchanged. Fields of features this tree does not implement (mixture of exp
 multi-latent attention, CUDA graphs, sliding windows, ...) are accepted only at their default;
 see ``UNSUPPORTED_TRANSFORMER_FEATURES``.
 
-Accepted but without effect, because they only select fused CUDA kernels that this tree does
-not ship: ``bias_activation_fusion``, ``masked_softmax_fusion``, ``bias_dropout_fusion``,
+``bias_activation_fusion`` and ``bias_dropout_fusion`` compile those pointwise steps into single
+kernels on CUDA (megatron.core.fusions). Accepted but without effect, because they only select
+fused CUDA kernels that this tree does not ship: ``masked_softmax_fusion``,
 ``persist_layer_norm``, ``memory_efficient_layer_norm``, ``disable_parameter_transpose_cache``
 (Transformer Engine only). ``apply_query_key_layer_scaling`` and ``attention_softmax_in_fp32``
 change nothing numerically either: attention runs on
@@ -221,12 +222,12 @@ class TransformerConfig(ModelParallelConfig):
     attention_softmax_in_fp32: bool = True
     """Softmax in fp32 (SDPA always accumulates it in fp32)."""
 
-    # --- Fusions (accepted, no effect: fused kernels are not shipped) ---
+    # --- Fusions ---
     bias_activation_fusion: bool = False
-    """Fuse bias add and activation."""
+    """Fuse the MLP's bias add and activation into one kernel (CUDA)."""
 
     masked_softmax_fusion: bool = False
-    """Fuse scale, mask and softmax."""
+    """Fuse scale, mask and softmax (accepted, no effect: SDPA fuses them)."""
 
     persist_layer_norm: bool = False
     """Use apex's persistent LayerNorm kernel."""
@@ -235,7 +236,7 @@ class TransformerConfig(ModelParallelConfig):
     """Use apex's memory-efficient LayerNorm kernel."""
 
     bias_dropout_fusion: bool = False
-    """Fuse bias add, dropout and residual add."""
+    """Fuse bias add, dropout and residual add into one kernel (CUDA)."""
 
     apply_rope_fusion: bool = False
     """Use a fused rotary-embedding kernel (unsupported)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.layer_assignment import get_transformer_layer_offset
@@ -56,11 +56,8 @@ class TransformerLayer(MegatronModule):
         self.mlp = MLP(config, spec, tp_group=tp_group)
 
     def _bias_dropout_add(self, output_and_bias, residual: torch.Tensor) -> torch.Tensor:
-        output, bias = output_and_bias
-        if bias is not None:
-            output = output + bias
-        output = F.dropout(output, p=self.hidden_dropout, training=self.training)
-        return residual + output
+        add = get_bias_dropout_add(self.training, self.config.bias_dropout_fusion)
+        return add(output_and_bias, residual, self.hidden_dropout)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context=None, context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,

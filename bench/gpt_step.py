@@ -1,0 +1,313 @@
+"""One GPT training step on one GPU: this tree's model against megatron-core's and plain torch's.
+
+    python bench/gpt_step.py --mcore-path DIR   # DIR holds an installed megatron-core wheel
+
+Every implementation trains the same shape (default: 24 layers, hidden 2048, 16 heads,
+sequence 2048, micro-batch 4, vocabulary 32000, about 1.3B parameters) in bf16 with learned
+absolute positions, untied output layer, GELU MLP with biases and no dropout; one step is
+forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameters:
+
+* ``ours``: this tree's ``GPTModel`` with the local backend (SDPA flash attention);
+* ``mcore``: megatron-core's ``GPTModel`` with its local spec, run from ``--mcore-path`` in a
+  process that cannot see this tree (both are the package ``megatron``); without apex or
+  Transformer Engine it uses its unfused attention, as a user without them gets;
+* ``torch``: a plain PyTorch GPT of the same shape on ``scaled_dot_product_attention``.
+
+``--torch-compile`` adds compiled variants of ours and plain torch. Each implementation runs
+in its own process; the step time is the median of ``--steps`` steps after ``--warmup``.
+Tokens/s and MFU use megatron.training.flops (Megatron's formula) against ``--peak-tflops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT = "RESULT "
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-layers", type=int, default=24)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--impls", default="ours,mcore,torch",
+                        help="comma-separated subset of ours, mcore, torch, and ours-unfused (no "
+                        "fusions) or ours-act (only the bias-activation fusion)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also run ours and plain torch under torch.compile")
+    parser.add_argument("--mcore-path", type=Path,
+                        help="directory with megatron-core installed (pip install --target)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
+    parser.add_argument("--profile", type=Path,
+                        help="write a kernel-time table of one step of each run into this folder")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers: each builds one model in its own process and times it.
+
+
+def build_ours(args, torch, fuse_activation=True, fuse_dropout_add=True):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=4 * args.hidden_size,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        bias_activation_fusion=fuse_activation, bias_dropout_fusion=fuse_dropout_add)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+                     max_sequence_length=args.seq_length)
+    model = Float16Module(config, model.cuda())  # as the trainer wraps it
+    return model, lambda tokens, positions, labels: model(
+        tokens, positions, None, labels=labels).mean()
+
+
+def build_mcore(args, torch):
+    import megatron.core
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if str(REPO) in os.path.abspath(megatron.core.__file__):
+        raise RuntimeError("the mcore worker imported this tree's megatron, not the wheel")
+    torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29531",
+                                         rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    # No apex here: its fused softmax and gradient-accumulation kernels are not available.
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=4 * args.hidden_size,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=True, bias_dropout_fusion=True)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+                     max_sequence_length=args.seq_length)
+    model = Float16Module(config, model.cuda())  # as megatron's training loop wraps it
+    return model, lambda tokens, positions, labels: model(
+        tokens, positions, None, labels=labels).mean()
+
+
+def build_torch(args, torch):
+    nn, F = torch.nn, torch.nn.functional
+    h, heads = args.hidden_size, args.num_attention_heads
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+            self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+        def forward(self, x):  # [b, s, h]
+            b, s, _ = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, heads, h // heads).unbind(2)
+            context = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + self.proj(context.transpose(1, 2).reshape(b, s, h))
+            return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(args.vocab_size, h)
+            self.position = nn.Embedding(args.seq_length, h)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.num_layers))
+            self.norm = nn.LayerNorm(h)
+            self.output = nn.Linear(h, args.vocab_size, bias=False)
+
+        def forward(self, tokens, positions, labels):
+            x = self.embed(tokens) + self.position(positions)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.output(self.norm(x))
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    model = GPT().to(device="cuda", dtype=torch.bfloat16)
+    return model, model
+
+
+def run_worker(args) -> dict:
+    import torch
+
+    impl, compiled = args.worker.split(":")
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    builders = {"ours": build_ours, "mcore": build_mcore, "torch": build_torch,
+                "ours-unfused": lambda *a: build_ours(*a, False, False),
+                "ours-act": lambda *a: build_ours(*a, True, False)}
+    model, step_loss = builders[impl](args, torch)
+    if compiled == "compiled":
+        step_loss = torch.compile(step_loss)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    shape = (args.micro_batch_size, args.seq_length)
+    tokens = torch.randint(0, args.vocab_size, shape, device="cuda", generator=generator)
+    labels = torch.randint(0, args.vocab_size, shape, device="cuda", generator=generator)
+    positions = torch.arange(args.seq_length, device="cuda").expand(shape)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = step_loss(tokens, positions, labels)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    times, losses = [], []
+    for index in range(args.warmup + args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        torch.cuda.synchronize()
+        losses.append(float(loss))
+        if index >= args.warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as prof:
+            step()
+            torch.cuda.synchronize()
+        tables = [prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30),
+                  prof.key_averages(group_by_input_shape=True).table(
+                      sort_by="self_cuda_time_total", row_limit=40)]
+        (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
+    return {
+        "impl": impl, "compiled": compiled == "compiled",
+        "parameters": sum(p.numel() for p in parameters),
+        "step_s": statistics.median(times), "step_s_min": min(times),
+        "first_loss": losses[0], "last_loss": losses[-1],
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: one process per run, then the table and the ratio lines.
+
+
+def step_flops(args) -> float:
+    sys.path.insert(0, str(REPO))
+    from megatron.training.flops import num_floating_point_operations
+
+    shape = types.SimpleNamespace(
+        hidden_size=args.hidden_size, seq_length=args.seq_length, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads, kv_channels=None,
+        num_query_groups=None, group_query_attention=False, ffn_hidden_size=4 * args.hidden_size,
+        swiglu=False, padded_vocab_size=args.vocab_size, vocab_size=args.vocab_size)
+    return num_floating_point_operations(shape, args.micro_batch_size)
+
+
+def launch(worker: str, argv: list[str], args) -> dict:
+    env = dict(os.environ)
+    if worker.startswith("mcore"):
+        if args.mcore_path is None:
+            return {"error": "no --mcore-path given"}
+        env["PYTHONPATH"] = str(args.mcore_path.resolve())
+        cwd = args.mcore_path.resolve()  # keeps this tree off sys.path
+    else:
+        env["PYTHONPATH"] = str(REPO)
+        cwd = REPO
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv,
+                           "--worker", worker], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    return {"error": f"exit code {done.returncode}: " + (done.stderr or done.stdout)[-1500:]}
+
+
+def at_least_line(name: str, value: float, target: float, unit: str = "") -> str:
+    if math.isnan(value):
+        return f"{name}: not measured (a run above failed or was not selected)"
+    verdict = "met" if value >= target else f"MISSED by {100 * (1 - value / target):.1f}%"
+    return f"{name} = {value:.3f}{unit} (target >= {target:.2f}{unit}; {verdict})"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        print(RESULT + json.dumps(run_worker(args)), flush=True)
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: bench/gpt_step.py measures a GPU; no CUDA device is visible",
+              file=sys.stderr)
+        return 2
+    flops = step_flops(args)
+    tokens = args.micro_batch_size * args.seq_length
+    workers = [f"{impl}:eager" for impl in args.impls.split(",")]
+    if args.torch_compile:
+        workers += [f"{impl}:compiled" for impl in args.impls.split(",")
+                    if impl in ("ours", "torch")]
+    results = {}
+    print(f"GPT step, one GPU: {args.num_layers} layers, hidden {args.hidden_size}, "
+          f"{args.num_attention_heads} heads, seq {args.seq_length}, micro-batch "
+          f"{args.micro_batch_size}, vocab {args.vocab_size}; bf16, fwd+bwd+fused AdamW; "
+          f"{time.strftime('%Y-%m-%d')}; command: python bench/gpt_step.py {' '.join(argv)}",
+          flush=True)
+    for worker in workers:
+        result = launch(worker, argv, args)
+        results[worker] = result
+        if "error" in result:
+            print(f"{worker:16s} FAILED: {result['error']}", flush=True)
+            continue
+        result["tokens_per_s"] = tokens / result["step_s"]
+        result["mfu"] = flops / result["step_s"] / (args.peak_tflops * 1e12)
+        print(f"{worker:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
+              f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
+              f"{flops / result['step_s'] / 1e12:6.1f} TFLOP/s  MFU {100 * result['mfu']:5.1f}%  "
+              f"{result['peak_memory_gib']:5.1f} GiB  {result['parameters'] / 1e9:.3f}B params  "
+              f"loss {result['first_loss']:.3f}->{result['last_loss']:.3f}  "
+              f"({result['device']}, torch {result['torch']})", flush=True)
+
+    def throughput(worker):
+        return results.get(worker, {}).get("tokens_per_s", math.nan)
+
+    best_ours = max(throughput("ours:eager"), throughput("ours:compiled") if
+                    args.torch_compile else -1.0)
+    print(at_least_line("ours/megatron-core-local tokens/s",
+                        throughput("ours:eager") / throughput("mcore:eager"), 2.0))
+    print(at_least_line("ours/plain-torch tokens/s (eager)",
+                        throughput("ours:eager") / throughput("torch:eager"), 1.0))
+    if args.torch_compile:
+        print(at_least_line("ours/plain-torch tokens/s (compiled)",
+                            throughput("ours:compiled") / throughput("torch:compiled"), 1.0))
+    print(at_least_line("MFU ours (best)", 100 * best_ours * flops / tokens
+                        / (args.peak_tflops * 1e12), 55.0, "%"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
