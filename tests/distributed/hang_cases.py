@@ -38,9 +38,9 @@ def _drop_activation_send(rank, world_size, pick):
     schedules._plan = faulty
 
 
-def rank_zero_skips_its_last_activation_send(rank, world_size, dump_dir, timeout_s):
+def rank_zero_skips_its_last_activation_send(rank, world_size, dump_dir, timeouts_s):
     _drop_activation_send(rank, world_size, pick=lambda sends: sends[-1])
-    flight_recorder.start_watchdog(timeout_s, dump_dir)
+    flight_recorder.start_watchdog(timeouts_s[rank], dump_dir)
     run_case(rank, world_size, Case(1, 2, False, "batched"))
     return "finished"  # never reached: the watchdog ends the process
 

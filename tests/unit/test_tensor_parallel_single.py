@@ -510,11 +510,15 @@ def test_checkpoint_refuses_autograd_grad():
 
 # ------------------------------------------------------------------ CUDA path
 
-needs_cuda = pytest.mark.skipif(
+_skip_without_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs CUDA: checks on-device initialisation in the model-parallel RNG stream and "
     "CUDA autocast through the tensor-parallel linear function",
 )
+
+
+def needs_cuda(test):
+    return pytest.mark.cuda(_skip_without_cuda(test))
 
 
 @needs_cuda

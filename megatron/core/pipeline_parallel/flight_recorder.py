@@ -9,7 +9,10 @@ channel to name the first message one side posted and the other never did.
 
 The watchdog (``start_watchdog``) is a daemon thread: when an operation has been incomplete for
 longer than the timeout it writes this rank's record as JSON, prints one paragraph and ends the
-process with exit code 3, so a stuck job ends with a diagnosis instead of a silent wait.
+process with exit code 3, so a stuck job ends with a diagnosis instead of a silent wait. Its
+peers then usually see their own wait fail (the connection closed) before their watchdog fires;
+the communicator writes their records too (``dump_after_failure``), so the diagnosis has every
+rank's side.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class FlightRecorder:
         self.pipeline_rank: Optional[int] = None
         self.pipeline_ranks: Optional[list[int]] = None
         self.schedule: Optional[dict] = None  # the PlanSpec of the schedule running, if any
+        self.dump_dir: Optional[str] = None  # set by start_watchdog
 
     def now(self) -> float:
         return time.monotonic() - self._start
@@ -118,11 +122,17 @@ class FlightRecorder:
             "time_s": self.now(),
             "records": [r.as_json() for r in self.records()],
         }
-        tmp = path + ".tmp"
+        tmp = f"{path}.{threading.get_ident()}.tmp"  # the watchdog and a failed wait may race
         with open(tmp, "w") as f:
             json.dump(payload, f, indent=1)
         os.replace(tmp, path)
         return path
+
+    def dump_after_failure(self, reason: str) -> Optional[str]:
+        """Write the record where the watchdog would, if one runs; return the path."""
+        if self.dump_dir is None:
+            return None
+        return self.dump(self.dump_dir, reason=reason)
 
 
 _RECORDER = FlightRecorder()
@@ -138,6 +148,7 @@ def start_watchdog(timeout_s: float, dump_dir: str, *,
                    on_hang: Optional[Callable[[str], None]] = None) -> threading.Thread:
     """Watch for a p2p operation incomplete for longer than ``timeout_s``; then dump and exit."""
     recorder = recorder or _RECORDER
+    recorder.dump_dir = dump_dir
     period = max(0.05, min(1.0, timeout_s / 10))
 
     def watch():

@@ -10,6 +10,7 @@ calls built this way neither cross nor deadlock.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -242,6 +243,19 @@ class P2PCommunicator:
         landed.synchronize()
         return host.tolist()
 
+    def _peer_failure(self, entry: _Posted, error: RuntimeError) -> PipelinePeerError:
+        record = entry.record
+        what = entry.message.op.value if record is None else (
+            f"{record.describe()} (global rank {record.peer}), posted in call #{record.call} as "
+            f"message #{record.channel_index} on that channel")
+        message = (f"{self._describe(self.pipeline_rank)} failed in {what}: {error}. The peer "
+                   f"has most likely ended first (its p2p watchdog or an error); its log says why")
+        path = self.recorder.dump_after_failure(f"p2p operation failed: {error}")
+        if path is not None:
+            message += (f". Flight record: {path}; run `python tools/diagnose_hang.py "
+                        f"{os.path.dirname(path)}` once every rank has written its record")
+        return PipelinePeerError(message)
+
     def _finish(self, entry: _Posted) -> None:
         message = entry.message
         if not message.op.is_send and self._headers:
@@ -265,6 +279,10 @@ class P2PCommunicator:
             self.recorder.complete(entry.record)
 
 
+class PipelinePeerError(RuntimeError):
+    """A pipeline p2p operation failed in the transport (a peer ended or the link broke)."""
+
+
 class PendingCall:
     """The operations of one posted call; ``wait`` completes them."""
 
@@ -284,7 +302,12 @@ class PendingCall:
         """Wait for one operation; return the received tensor (None for a send)."""
         entry = self._by_op[op]
         if not entry.done:
-            self._communicator._finish(entry)
+            try:
+                self._communicator._finish(entry)
+            except p2p_wire.PipelineShapeError:
+                raise
+            except RuntimeError as error:  # the transport failed: usually a peer has ended
+                raise self._communicator._peer_failure(entry, error) from error
         return entry.result
 
     def wait_all(self) -> dict[PeerOp, Optional[torch.Tensor]]:
