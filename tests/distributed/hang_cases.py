@@ -91,3 +91,39 @@ class _NullRecorder(flight_recorder.FlightRecorder):
 
     def complete(self, record):
         pass
+
+
+def memory_growth_over_exchanges(rank, world_size, exchanges, megabytes):
+    """Peak-RSS growth (MB) of a rank over ``exchanges`` recorded batched exchanges.
+
+    Every exchange sends a fresh tensor and receives into a fresh buffer, and nothing outside
+    the communicator keeps either, so growth means the recorder keeps completed tensors alive.
+    """
+    import resource
+
+    from megatron.core import ModelParallelConfig
+    from megatron.core.pipeline_parallel.ordering import PeerOp
+    from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator, P2PMessage
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                                 batch_p2p_comm=True)
+    comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+    shape = (megabytes * 2**18, 1, 1)  # float32: 4 bytes each
+
+    def exchange():
+        if rank == 0:
+            message = P2PMessage(PeerOp.SEND_NEXT, tensor=torch.ones(shape), shape=shape)
+        else:
+            message = P2PMessage(PeerOp.RECV_PREV, shape=shape)
+        comm.post([message]).wait_all()
+
+    def peak_mb():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
+
+    for _ in range(3):
+        exchange()
+    before = peak_mb()
+    for _ in range(exchanges):
+        exchange()
+    return peak_mb() - before

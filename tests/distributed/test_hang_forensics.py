@@ -60,3 +60,10 @@ def test_flight_recorder_overhead_is_negligible():
         added = timing["on"] - timing["off"]
         # A few microseconds of bookkeeping next to a gloo round trip; generous bound for CI noise.
         assert added < 0.5 * timing["off"] + 50e-6, (rank, timing)
+
+
+def test_completed_operations_do_not_keep_their_tensors_alive():
+    # The recorder keeps thousands of records; were each to hold its transport handle, it would
+    # hold the tensor too: 60 exchanges of 8 MB would grow each rank by about 480 MB.
+    growth = run_ranks(hang_cases.memory_growth_over_exchanges, 2, args=(60, 8), timeout_s=60)
+    assert max(growth) < 100, growth

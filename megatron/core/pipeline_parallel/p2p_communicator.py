@@ -51,18 +51,22 @@ def set_debug_tags(enabled: bool) -> None:
 
 
 class _Work:
-    """A posted operation's work, waited at most once (gloo hangs on a second wait)."""
+    """A posted operation's work, waited at most once (gloo hangs on a second wait).
+
+    The transport's handle keeps the tensor alive; it is dropped once waited, because the
+    flight recorder keeps this wrapper for thousands of operations after they completed.
+    """
 
     def __init__(self, work):
-        self._work, self._done = work, False
+        self._work = work
 
     def wait(self) -> None:
-        if not self._done:
+        if self._work is not None:
             self._work.wait()
-            self._done = True
+            self._work = None
 
     def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
+        return self._work is None or self._work.is_completed()
 
 
 @dataclasses.dataclass
