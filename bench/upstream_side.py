@@ -1,0 +1,65 @@
+"""Upstream megatron-core 0.11.0 with this tree's patch, driven by the same synthetic workload.
+
+``install`` downloads the wheel and applies ``patches/core_r0.11.0`` with the patches' proof
+harness; ``run`` starts ``upstream_pipeline_rank.py`` on gloo ranks whose ``PYTHONPATH`` holds
+only that wheel, under a hard deadline (ranks still running then are killed, by pid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import stepping
+import synthetic
+from tests.launcher import run_processes
+from tests.upstream.upstream_harness import PATCHES, apply_patch, download_and_install
+
+VERSION = "0.11.0"
+PATCH_BASE = "core_r0.11.0"
+RANK_SCRIPT = Path(__file__).with_name("upstream_pipeline_rank.py")
+
+
+def install(workdir: Path) -> Path:
+    """megatron-core 0.11.0 from the package registry, patched; returns its install folder."""
+    target = download_and_install(f"megatron-core=={VERSION}", workdir / "wheels",
+                                  workdir / "megatron-core", ignore_requires_python=True)
+    patches = sorted((PATCHES / PATCH_BASE).glob("*.patch"))
+    if not patches:
+        raise RuntimeError(f"no patches found in {PATCHES / PATCH_BASE}")
+    for patch in patches:
+        apply_patch(patch, target)
+    return target
+
+
+@dataclasses.dataclass
+class UpstreamRun:
+    times: dict[int, dict[str, list[float]]]  # layouts finished before the deadline
+    timed_out: bool
+    log_tail: str  # rank 0's last lines, for a launch that failed
+
+
+def run(installed: Path, *, pipeline_size: int, num_chunks: int,
+        microbatch_counts: Sequence[int], scenarios: Sequence[stepping.Scenario],
+        workload: synthetic.Workload, rounds: int, warmup: int, deadline_s: float) -> UpstreamRun:
+    """Step times per layout and scenario on ``pipeline_size`` upstream ranks (rank 0's)."""
+    settings = json.dumps({
+        "num_chunks": num_chunks, "microbatch_counts": list(microbatch_counts),
+        "scenarios": [dataclasses.asdict(s) for s in scenarios],
+        "workload": dataclasses.asdict(workload), "rounds": rounds, "warmup": warmup,
+        "deadline_s": deadline_s,
+    })
+    with tempfile.TemporaryDirectory(prefix="upstream-bench-") as tmp:
+        out = Path(tmp) / "times.json"
+        argv = [str(RANK_SCRIPT), "--settings", settings, "--out", str(out)]
+        env = {"PYTHONPATH": str(installed), "PYTHONDONTWRITEBYTECODE": "1"}
+        outcomes = run_processes([argv] * pipeline_size, timeout_s=deadline_s,
+                                 env_per_rank=[env] * pipeline_size)
+        reported = json.loads(out.read_text()) if out.exists() else {}
+    timed_out = any(o.returncode is None for o in outcomes)
+    failed = timed_out or any(o.returncode != 0 for o in outcomes)
+    tail = "\n".join(outcomes[0].output.strip().splitlines()[-15:]) if failed else ""
+    return UpstreamRun({int(m): times for m, times in reported.items()}, timed_out, tail)

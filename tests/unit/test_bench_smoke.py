@@ -1,0 +1,59 @@
+"""The benchmarks under bench/ run end to end in their --quick form and print their ratio line.
+
+Each script runs as users run it (``python bench/<script>.py`` from the repository root) in a
+subprocess with a deadline; the figures of a --quick run mean nothing, only that every stage
+of the script works: ranks start, steps are timed, tables and ratio lines are printed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 120
+VERDICT = r"\(target <= \d\.\d\d; (met|MISSED by [\d.]+%);"
+
+
+def run_bench(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, f"bench/{script}", "--quick", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def assert_ratio_line(output: str, name: str) -> None:
+    pattern = rf"^{re.escape(name)} = \d+\.\d{{3}} {VERDICT}"
+    assert re.search(pattern, output, re.MULTILINE), f"no {name!r} ratio line in:\n{output}"
+
+
+def test_pipeline_overhead_prints_its_table_and_variable_equal_ratio():
+    output = run_bench("pipeline_overhead.py", "--skip-upstream")
+    assert "free p2p" in output and "ours batched" in output
+    assert_ratio_line(output, "variable/equal (ours)")
+    assert_ratio_line(output, "variable/equal beyond the imbalance (ours)")
+
+
+@pytest.mark.upstream
+def test_pipeline_overhead_against_upstream_prints_ours_upstream_ratio():
+    output = run_bench("pipeline_overhead.py")
+    assert "upstream batched" in output
+    assert_ratio_line(output, "ours/upstream")
+
+
+def test_bubble_prints_its_ratio_and_draws_the_measured_timeline(tmp_path):
+    png, trace = tmp_path / "timeline.png", tmp_path / "timeline.json"
+    output = run_bench("bubble.py", "--png", str(png), "--json", str(trace))
+    assert_ratio_line(output, "bubble measured/theory")
+    assert "measured/model" in output
+    assert png.stat().st_size > 0 and trace.stat().st_size > 0
+
+
+def test_recorder_overhead_prints_its_ratio():
+    output = run_bench("recorder_overhead.py")
+    assert "watchdog" in output
+    assert_ratio_line(output, "recorder on/off")
