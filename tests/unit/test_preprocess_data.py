@@ -194,11 +194,12 @@ def test_interrupted_run_cleans_up(tmp_path):
 def test_killed_run_leaves_no_valid_looking_index(tmp_path):
     process, prefix = _start_long_run(tmp_path)
     process.kill()
-    process.communicate(timeout=60)
-    names = os.listdir(tmp_path)
-    assert not os.path.exists(prefix + "_text_document.idx")
-    assert not os.path.exists(prefix + "_text_document.bin")
-    assert all(".tmp-" in name for name in names if name != "long.jsonl")
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, f"the run ended before the kill: {err}"
+    names = sorted(os.listdir(tmp_path))
+    assert not os.path.exists(prefix + "_text_document.idx"), names
+    assert not os.path.exists(prefix + "_text_document.bin"), names
+    assert all(".tmp-" in name for name in names if name != "long.jsonl"), names
 
 
 def test_make_quickstart_data(tmp_path, capsys):

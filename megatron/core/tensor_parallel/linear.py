@@ -246,15 +246,19 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        # Alone in its group, the GEMM adds the bias in its epilogue; else it follows the reduction.
+        bias_in_gemm = self.tp_size == 1 and not self.skip_bias_add
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input_parallel,
             self.weight,
-            None,
+            self.bias if bias_in_gemm else None,
             gradient_accumulation_fusion=False,
             allreduce_dgrad=False,
             sequence_parallel=False,
             tp_group=self.tp_group,
         )
+        if bias_in_gemm:
+            return output_parallel, None
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(
                 output_parallel, group=self.tp_group

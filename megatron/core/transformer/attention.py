@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.enums import AttnMaskType
@@ -90,7 +91,7 @@ class SelfAttention(MegatronModule):
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=True,
+            skip_bias_add=separate_output_bias(config),
             is_expert=False,
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,

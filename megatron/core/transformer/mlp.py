@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from megatron.core.fusions.fused_bias_activation import bias_activation, fused_bias_activation
+from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
 from megatron.core.transformer.spec import TransformerLayerSpec
@@ -60,7 +61,7 @@ class MLP(MegatronModule):
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=True,
+            skip_bias_add=separate_output_bias(config),
             is_expert=False,
             tp_comm_buffer_name="fc2",
             tp_group=self.tp_group,
