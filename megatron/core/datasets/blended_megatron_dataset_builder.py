@@ -25,7 +25,7 @@ import torch
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
-from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.datasets.gpt_dataset import MockGPTDataset
 from megatron.core.datasets.utils import Split, log_single_rank, normalize
 
 logger = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ from megatron.core.datasets.gpt_indices import build_packed_indices, build_unpac
 from megatron.core.datasets.index_cache import IndexCache
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.ltor_masks import get_ltor_masks_and_position_ids
+from megatron.core.datasets.mock_dataset import MockGPTLowLevelDataset
 from megatron.core.datasets.utils import Split, log_single_rank
 
 logger = logging.getLogger(__name__)
@@ -237,10 +238,14 @@ class GPTDataset(torch.utils.data.Dataset):
         return attention_mask, loss_mask, position_ids
 
 
-def __getattr__(name: str):
-    # Upstream defines the mock classes in this module; they live in mock_dataset (which
-    # imports this one), so they are resolved on first access.
-    if name in ("MockGPTDataset", "MockGPTLowLevelDataset"):
-        from megatron.core.datasets import mock_dataset
-        return getattr(mock_dataset, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class MockGPTDataset(GPTDataset):
+    """A ``GPTDataset`` over ``MockGPTLowLevelDataset``; built when ``--mock-data`` is given."""
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset: MockGPTLowLevelDataset) -> int:
+        return len(low_level_dataset)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: Optional[str],
+                                config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
+        return MockGPTLowLevelDataset(config.tokenizer)

@@ -1,9 +1,10 @@
 """Synthetic GPT data for ``--mock-data``: no files, same samples on every run.
 
-``MockGPTLowLevelDataset`` stands in for an ``IndexedDataset``: a fixed number of documents
-with seeded random lengths whose tokens are a deterministic function of (document, position),
-each ending with the tokenizer's end-of-document id and never containing it elsewhere. Ids stay
-below the tokenizer's vocabulary size, so a real model can train on it.
+``MockGPTLowLevelDataset`` stands in for an ``IndexedDataset`` (``gpt_dataset.MockGPTDataset``
+samples from it): a fixed number of documents with seeded random lengths whose tokens are a
+deterministic function of (document, position), each ending with the tokenizer's
+end-of-document id and never containing it elsewhere. Ids stay below the tokenizer's vocabulary
+size, so a real model can train on it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Optional
 
 import numpy
 
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer
 
 
@@ -52,16 +52,3 @@ class MockGPTLowLevelDataset:
         tokens = self[idx]
         end = len(tokens) if length is None else offset + length
         return tokens[offset:end]
-
-
-class MockGPTDataset(GPTDataset):
-    """A ``GPTDataset`` over ``MockGPTLowLevelDataset``; built when ``--mock-data`` is given."""
-
-    @staticmethod
-    def numel_low_level_dataset(low_level_dataset: MockGPTLowLevelDataset) -> int:
-        return len(low_level_dataset)
-
-    @staticmethod
-    def build_low_level_dataset(dataset_path: Optional[str],
-                                config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
-        return MockGPTLowLevelDataset(config.tokenizer)

@@ -11,12 +11,20 @@ and [4, 5], rank 1 holds [2, 3] and [6, 7].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from megatron.core import parallel_state
 
-if TYPE_CHECKING:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+
+class LayerLayout(Protocol):
+    """The fields of a TransformerConfig that decide where the layers go (which validates
+    them with ``check_layer_split``, hence no import of it here)."""
+
+    num_layers: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: Optional[int]
+    num_layers_in_first_pipeline_stage: Optional[int]
+    num_layers_in_last_pipeline_stage: Optional[int]
 
 
 @dataclass(frozen=True)
@@ -54,11 +62,11 @@ class PipelineStage:
         return self.rank == self.size - 1 and last_virtual
 
 
-def _virtual_size(config: TransformerConfig) -> int:
+def _virtual_size(config: LayerLayout) -> int:
     return config.virtual_pipeline_model_parallel_size or 1
 
 
-def layers_per_pipeline_rank(config: TransformerConfig) -> list[int]:
+def layers_per_pipeline_rank(config: LayerLayout) -> list[int]:
     """Layers held by each pipeline rank (all of its virtual chunks together)."""
     pp, total = config.pipeline_model_parallel_size, config.num_layers
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
@@ -75,7 +83,7 @@ def layers_per_pipeline_rank(config: TransformerConfig) -> list[int]:
     return counts
 
 
-def check_layer_split(config: TransformerConfig) -> None:
+def check_layer_split(config: LayerLayout) -> None:
     """Raise ValueError, naming the fields, unless the layers split exactly over the chunks."""
     pp, vpp, total = config.pipeline_model_parallel_size, _virtual_size(config), config.num_layers
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
@@ -115,7 +123,7 @@ def check_layer_split(config: TransformerConfig) -> None:
         )
 
 
-def layer_range(config: TransformerConfig, stage: PipelineStage) -> range:
+def layer_range(config: LayerLayout, stage: PipelineStage) -> range:
     """Global (0-based) indices of the layers held by ``stage``."""
     pp, vpp = config.pipeline_model_parallel_size, _virtual_size(config)
     if stage.size != pp or (stage.virtual_size or 1) != vpp:
@@ -130,7 +138,7 @@ def layer_range(config: TransformerConfig, stage: PipelineStage) -> range:
     return range(start, start + per_chunk[stage.rank])
 
 
-def current_pipeline_stage(config: TransformerConfig) -> PipelineStage:
+def current_pipeline_stage(config: LayerLayout) -> PipelineStage:
     """The chunk being built on this rank, read from parallel_state as upstream model providers
     expect (``set_virtual_pipeline_model_parallel_rank(i)`` before building chunk ``i``)."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
@@ -168,11 +176,11 @@ def current_pipeline_stage(config: TransformerConfig) -> PipelineStage:
     return PipelineStage(rank=rank, size=pp, virtual_rank=virtual_rank, virtual_size=vpp)
 
 
-def get_transformer_layer_offset(config: TransformerConfig) -> int:
+def get_transformer_layer_offset(config: LayerLayout) -> int:
     """Global index of the first layer of the chunk being built (megatron-core's name)."""
     return layer_range(config, current_pipeline_stage(config)).start
 
 
-def get_num_layers_to_build(config: TransformerConfig) -> int:
+def get_num_layers_to_build(config: LayerLayout) -> int:
     """Number of layers in the chunk being built (megatron-core's name)."""
     return len(layer_range(config, current_pipeline_stage(config)))

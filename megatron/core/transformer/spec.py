@@ -10,40 +10,13 @@ bias=, gather_output=, skip_bias_add=, ...)``) plus ``tp_group=``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 from megatron.core.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.layer_modules import LayerModules
 from megatron.core.transformer.norms import build_norm
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
-
-
-@dataclass(frozen=True)
-class LayerModules:
-    """Constructors for the parts of one transformer layer."""
-
-    norm: Callable
-    """(config, hidden_size, eps) -> module; the standalone norms (also the final one)."""
-
-    linear_qkv: Callable
-    """Column-parallel projection to queries, keys and values."""
-
-    core_attention: Callable
-    """(config, layer_number, attn_mask_type, attention_type, ...) -> softmax(qk^T)v module."""
-
-    linear_proj: Callable
-    """Row-parallel attention output projection."""
-
-    linear_fc1: Callable
-    """Column-parallel first MLP projection."""
-
-    linear_fc2: Callable
-    """Row-parallel second MLP projection."""
-
-    input_norms_fused: bool
-    """linear_qkv / linear_fc1 apply the preceding norm themselves (Transformer Engine's
-    LayerNormLinear), so the layer builds no input_layernorm / pre_mlp_layernorm."""
 
 
 LOCAL_MODULES = LayerModules(

@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.utils import resolve_tp_group
 from megatron.core.tensor_parallel.weight_init import shard_of_master
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
-from megatron.core.transformer.spec import LayerModules
+from megatron.core.transformer.layer_modules import LayerModules
 
 # NVTE variables (flash, fused, unfused) that pick TE's attention kernels per backend.
 _ATTENTION_KERNEL_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
