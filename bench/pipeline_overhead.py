@@ -13,7 +13,7 @@ activation. Variable lengths are drawn per step around the equal length and resc
 same total, so every scenario sleeps as long; the same draws on both trees. Within one launch
 the scenarios alternate step by step (``stepping.py``); a figure is the median step. A long
 microbatch in the wrong place stretches any pipeline, so the table also gives each layout's
-step with free transfers for those very lengths (``critical_path.py``).
+step with free transfers for those very lengths (``timeline.simulate_timeline``).
 Prints a table with the ideal step times, and the ratio lines: variable/equal (this tree,
 worst layout and mode; target <= 1.05), as measured and divided by what the lengths alone
 predict, and ours/upstream (same layout, lengths and batched p2p, worst case; target <= 1.00).
@@ -29,7 +29,9 @@ from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this tree's megatron and tests
 
-import critical_path  # noqa: E402
+from megatron.core.pipeline_parallel.schedule_plan import PlanSpec  # noqa: E402
+from megatron.core.pipeline_parallel.timeline import simulate_timeline  # noqa: E402
+
 import report  # noqa: E402
 import stepping  # noqa: E402
 import synthetic  # noqa: E402
@@ -144,9 +146,9 @@ def free_p2p_s(workload, pp: int, vpp: int, m: int, variable: bool, seeds) -> fl
     steps = []
     for seed in seeds:
         lengths = workload.lengths(m, variable, seed)
-        steps.append(critical_path.free_p2p_step_s(
-            pp, vpp, [workload.forward_s(n) for n in lengths],
-            [workload.backward_s(n) for n in lengths]))
+        steps.append(simulate_timeline(
+            PlanSpec(pp, vpp, m), forward_s=[workload.forward_s(n) for n in lengths],
+            backward_s=[workload.backward_s(n) for n in lengths]).makespan)
     return report.median(steps)
 
 
@@ -183,7 +185,7 @@ def print_table(args, workload, times) -> tuple[dict, dict]:
     print(report.table(headers, rows))
     print("compute only: one rank's sleeps, m * vpp * (f + 2f) * tokens, the same for both "
           "lengths; free p2p: the blocking schedule replayed with these computes and free "
-          "transfers (critical_path.py; equal lengths: the textbook, compute * (1 + (p-1)/(v*m)))")
+          "transfers (simulate_timeline; equal lengths: the textbook, compute * (1 + (p-1)/(v*m)))")
     return medians, predicted
 
 

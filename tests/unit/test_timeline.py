@@ -32,6 +32,20 @@ def test_latency_adds_to_the_bubble_but_keeps_it_bounded():
     assert base < slow < base + 0.5
 
 
+def test_per_microbatch_durations():
+    spec = PlanSpec(4, 2, 8)
+    uniform = simulate_timeline(spec, forward_s=1.0, backward_s=2.0)
+    assert simulate_timeline(spec, forward_s=[1.0] * 8, backward_s=[2.0] * 8) == uniform
+    # Same total work, one microbatch twice as long: the stages after it wait for it.
+    forward = [0.875] * 8
+    forward[3] = 1.875
+    uneven = simulate_timeline(spec, forward_s=forward, backward_s=[2 * f for f in forward])
+    assert uneven.makespan > uniform.makespan
+    assert {i.end - i.start for i in uneven.intervals if i.microbatch == 3} == {1.875, 3.75}
+    with pytest.raises(ValueError, match="forward_s gives 7 durations for 8 microbatches"):
+        simulate_timeline(spec, forward_s=[1.0] * 7)
+
+
 def test_chrome_trace_has_one_event_per_compute_and_named_tracks():
     spec = PlanSpec(2, 2, 4)
     trace = chrome_trace(simulate_timeline(spec))

@@ -11,7 +11,7 @@ chrome://tracing; ``tools/pipeline_timeline.py`` also draws it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from megatron.core.pipeline_parallel.ordering import order_ops
 from megatron.core.pipeline_parallel.schedule_plan import (
@@ -42,10 +42,26 @@ class Timeline:
         return sorted((i for i in self.intervals if i.rank == rank), key=lambda i: i.start)
 
 
-def simulate_timeline(spec: PlanSpec, *, forward_s: float = 1.0, backward_s: float = 2.0,
+Durations = Union[float, Sequence[float]]
+
+
+def _per_microbatch(durations: Durations, spec: PlanSpec, name: str) -> list[float]:
+    count = spec.num_microbatches
+    if isinstance(durations, (int, float)):
+        return [float(durations)] * count
+    if len(durations) != count:
+        raise ValueError(f"{name} gives {len(durations)} durations for {count} microbatches")
+    return [float(d) for d in durations]
+
+
+def simulate_timeline(spec: PlanSpec, *, forward_s: Durations = 1.0, backward_s: Durations = 2.0,
                       p2p_latency_s: float = 0.0,
                       plans: Optional[Sequence[Sequence[Action]]] = None) -> Timeline:
+    """``forward_s`` / ``backward_s``: one duration for every microbatch, or one per microbatch
+    (variable lengths: a long microbatch stalls the stages after it)."""
     plans = plans if plans is not None else build_all_plans(spec)
+    durations = {Phase.FORWARD: _per_microbatch(forward_s, spec, "forward_s"),
+                 Phase.BACKWARD: _per_microbatch(backward_s, spec, "backward_s")}
     p = spec.pipeline_size
     clock = [0.0] * p
     pcs = [0] * p
@@ -72,7 +88,7 @@ def simulate_timeline(spec: PlanSpec, *, forward_s: float = 1.0, backward_s: flo
                     ready = max(posted_at[(peer, t)] for peer, t in peers) + p2p_latency_s
                     clock[rank] = max(clock[rank], ready)
                 else:
-                    duration = forward_s if action.phase is Phase.FORWARD else backward_s
+                    duration = durations[action.phase][action.microbatch]
                     intervals.append(Interval(rank, action.phase.value, action.chunk,
                                               action.microbatch, clock[rank],
                                               clock[rank] + duration))
