@@ -12,6 +12,7 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import flight_recorder, get_forward_backward_func
 from megatron.core.pipeline_parallel.ordering import PeerOp
 from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator, P2PMessage
+from tests.support.null_recorder import NullRecorder
 
 import stepping
 import synthetic
@@ -78,7 +79,7 @@ def steady_call_s(world_size: int, workload: synthetic.Workload, repeats: int = 
                                     variable=False, mode="batched",
                                     hidden_size=workload.hidden_size)
     communicator = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config,
-                                   recorder=_SilentRecorder())
+                                   recorder=NullRecorder())
     shape = (workload.mean_length, synthetic.MICRO_BATCH_SIZE, workload.hidden_size)
     seconds = []
     for _ in range(repeats):
@@ -92,16 +93,6 @@ def steady_call_s(world_size: int, workload: synthetic.Workload, repeats: int = 
         seconds.append(time.perf_counter() - started)
     parallel_state.destroy_model_parallel()
     return sorted(seconds)[len(seconds) // 2]
-
-
-class _SilentRecorder(flight_recorder.FlightRecorder):
-    """Records nothing: the 'off' arm of the recorder's overhead."""
-
-    def record(self, **kwargs):
-        return None
-
-    def complete(self, record) -> None:
-        pass
 
 
 def recorder_rank(rank: int, world_size: int, vpp: int, num_microbatches: int,
@@ -118,7 +109,7 @@ def recorder_rank(rank: int, world_size: int, vpp: int, num_microbatches: int,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     group = parallel_state.get_pipeline_model_parallel_group()
     arms = {}
-    for label, recorder in (("on", None), ("off", _SilentRecorder())):
+    for label, recorder in (("on", None), ("off", NullRecorder())):
         config = synthetic.build_config(ModelParallelConfig, pipeline_size=world_size,
                                         num_chunks=vpp, variable=scenario.variable,
                                         mode=scenario.mode, hidden_size=workload.hidden_size)

@@ -9,6 +9,7 @@ from megatron.core.pipeline_parallel import flight_recorder, p2p_communicator, s
 from megatron.core.pipeline_parallel.ordering import Kind
 from megatron.core.pipeline_parallel.schedule_plan import Post, Wait
 from tests.distributed.pipeline_cases import Case, run_case
+from tests.support.null_recorder import NullRecorder
 
 
 def _without(plan, transfer):
@@ -69,7 +70,7 @@ def recorder_overhead(rank, world_size, repeats):
     group = parallel_state.get_pipeline_model_parallel_group()
     tensor = torch.ones(16, 1, 64)
     results = {}
-    for label, recorder in (("on", None), ("off", _NullRecorder())):
+    for label, recorder in (("on", None), ("off", NullRecorder())):
         comm = P2PCommunicator(group, config, recorder=recorder)
         op = PeerOp.SEND_NEXT if rank == 0 else PeerOp.RECV_PREV
         message = (P2PMessage(op, tensor=tensor) if rank == 0
@@ -81,16 +82,6 @@ def recorder_overhead(rank, world_size, repeats):
             comm.post([dataclasses.replace(message)]).wait_all()
         results[label] = (time.perf_counter() - start) / repeats
     return results
-
-
-class _NullRecorder(flight_recorder.FlightRecorder):
-    """Records nothing: the baseline for the overhead measurement."""
-
-    def record(self, **kwargs):
-        return None
-
-    def complete(self, record):
-        pass
 
 
 def memory_growth_over_exchanges(rank, world_size, exchanges, megabytes):
