@@ -6,9 +6,9 @@
 
 Both arms run the synthetic model (``synthetic.py``) through ``get_forward_backward_func()``
 with an explicit ``P2PCommunicator``: "on" records into the process's flight recorder, as
-every pipeline run does, "off" into one that records nothing (``tests/support/null_recorder.py``, which the overhead
-test uses too). The arms alternate step by step and see
-the same lengths in each round; the figure is the median of the per-round ratios on/off. The
+every pipeline run does, "off" into one that records nothing (``tests/support/null_recorder.py``,
+which the overhead test uses too). The arms alternate step by step and see the same lengths in
+each round; the figure is the median of the per-round ratios on/off. The
 watchdog thread is not part of the arms: its cost, one scan of the ring per period, is
 measured on its own and printed. Final line: recorder on/off (target <= 1.01).
 """
