@@ -66,6 +66,20 @@ class _ParallelLinearBase(torch.nn.Module):
             torch.empty(shape, dtype=self.config.params_dtype, device=parameter_device(self.config))
         )
 
+    def _new_partitioned_weight(self, output_size: int, input_size: int, *, partition_dim: int,
+                                init_method: Callable, stride: int,
+                                keep_master_weight: bool) -> Parameter:
+        """This rank's shard of an ``[output_size, input_size]`` weight, initialised; the full
+        master weight is kept in ``self.master_weight`` when asked for."""
+        shape = [output_size, input_size]
+        shape[partition_dim] = divide(shape[partition_dim], self.tp_size)
+        weight = self._new_parameter(*shape)
+        self.master_weight = init_partitioned_weight(
+            weight, full_shape=(output_size, input_size), partition_dim=partition_dim,
+            init_method=init_method, config=self.config, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, stride=stride, keep_master_weight=keep_master_weight)
+        return weight
+
     def _new_bias(self, size: int) -> Parameter:
         bias = self._new_parameter(size)
         if self.config.perform_initialization:
@@ -134,18 +148,9 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = self._new_parameter(self.output_size_per_partition, input_size)
-            self.master_weight = init_partitioned_weight(
-                self.weight,
-                full_shape=(output_size, input_size),
-                partition_dim=0,
-                init_method=init_method,
-                config=config,
-                tp_rank=self.tp_rank,
-                tp_size=self.tp_size,
-                stride=stride,
-                keep_master_weight=keep_master_weight_for_test,
-            )
+            self.weight = self._new_partitioned_weight(
+                output_size, input_size, partition_dim=0, init_method=init_method, stride=stride,
+                keep_master_weight=keep_master_weight_for_test)
         if bias:
             self.bias = self._new_bias(self.output_size_per_partition)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -222,18 +227,9 @@ class RowParallelLinear(_ParallelLinearBase):
         self.skip_bias_add = skip_bias_add
         self.input_size_per_partition = divide(input_size, self.tp_size)
 
-        self.weight = self._new_parameter(output_size, self.input_size_per_partition)
-        self.master_weight = init_partitioned_weight(
-            self.weight,
-            full_shape=(output_size, input_size),
-            partition_dim=1,
-            init_method=init_method,
-            config=config,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            stride=stride,
-            keep_master_weight=keep_master_weight_for_test,
-        )
+        self.weight = self._new_partitioned_weight(
+            output_size, input_size, partition_dim=1, init_method=init_method, stride=stride,
+            keep_master_weight=keep_master_weight_for_test)
         if bias:
             self.bias = self._new_bias(output_size)
             self.bias.sequence_parallel = self.sequence_parallel
