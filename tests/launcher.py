@@ -1,9 +1,13 @@
-"""Run a function on N gloo ranks in spawned processes, with a hard deadline.
+"""Run a function on N gloo (or NCCL) ranks in spawned processes, with a hard deadline.
 
 Every rank is a child process of the test; the launcher only ever signals the
 pids it started. A rank that raises reports its traceback; a rank that is still
 running at the deadline dumps its Python stack (faulthandler) before it is
 killed, so a hang becomes a test failure that shows where each rank was stuck.
+
+With ``backend="nccl"`` every rank poses as a one-GPU host and uses GPU 0 (the environment of
+``tools/launch_nccl_ranks.py``), so several NCCL ranks share one GPU through NCCL's network
+transport over loopback.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 # After one rank fails, its peers usually block on it; give them this long to
@@ -42,7 +48,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, env, init_pg):
+_NCCL_TOOL = Path(__file__).resolve().parents[1] / "tools" / "launch_nccl_ranks.py"
+
+
+def nccl_rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """``rank_environment`` of ``tools/launch_nccl_ranks.py`` (a script, not a package)."""
+    name = "_launch_nccl_ranks_tool"
+    module = sys.modules.get(name)
+    if module is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, _NCCL_TOOL)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return module.rank_environment(rank, world_size, port)
+
+
+def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, env, init_pg,
+               backend="gloo"):
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -51,6 +75,9 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
+    if backend == "nccl":
+        # A one-GPU host of its own (LOCAL_RANK=0, NCCL_HOSTID, loopback); the caller's env wins.
+        os.environ.update({**nccl_rank_environment(rank, world_size, port), **env})
     with open(stack_file, "w") as stack_out:
         # Fires shortly before the parent's deadline so the dump is on disk when
         # the parent reads it.
@@ -58,10 +85,14 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
         try:
             import torch.distributed as dist
 
+            if backend == "nccl":
+                import torch
+
+                torch.cuda.set_device(0)
             if init_pg:
                 try:
                     dist.init_process_group(
-                        "gloo",
+                        backend,
                         init_method=f"tcp://127.0.0.1:{port}",
                         rank=rank,
                         world_size=world_size,
@@ -74,6 +105,12 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
                         return
                     raise
             value = fn(rank, world_size, *args)
+            if backend == "nccl":
+                import torch
+
+                # NCCL sends finish on the GPU after the host moved on: a rank that exits
+                # before its last send landed leaves its peer waiting for ever.
+                torch.cuda.synchronize()
             conn.send(("ok", value))
         except BaseException:  # report everything, including SystemExit
             conn.send(("error", traceback.format_exc()))
@@ -97,22 +134,29 @@ def run_ranks(
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
     init_process_group: bool = True,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    With ``backend="nccl"`` the ranks share GPU 0 (each poses as a host of its own, see the
+    module doc) and call ``torch.cuda.set_device(0)`` before ``init_process_group("nccl")``.
 
     ``fn`` must be importable by the children (a module-level function). Returns
     the per-rank return values; raises DistributedTestFailure naming each rank
     that failed, died or timed out, with its traceback or stack dump. A start that
     loses its port to another process is retried with a new one.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     for attempt in range(3):
-        outcomes = _run_once(fn, world_size, args, timeout_s, env, init_process_group)
+        outcomes = _run_once(fn, world_size, args, timeout_s, env, init_process_group, backend)
         if not any(o.status == "port" for o in outcomes.values()):
             break
     return _result(outcomes, world_size, timeout_s)
 
 
-def _run_once(fn, world_size, args, timeout_s, env, init_process_group) -> dict[int, _RankOutcome]:
+def _run_once(fn, world_size, args, timeout_s, env, init_process_group,
+              backend="gloo") -> dict[int, _RankOutcome]:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     env = dict(env or {})
@@ -125,7 +169,7 @@ def _run_once(fn, world_size, args, timeout_s, env, init_process_group) -> dict[
         proc = ctx.Process(
             target=_rank_main,
             args=(fn, rank, world_size, port, tuple(args), timeout_s, stack_file, child_conn,
-                  env, init_process_group),
+                  env, init_process_group, backend),
             daemon=True,
         )
         proc.start()

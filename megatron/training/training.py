@@ -2,8 +2,8 @@
 
 Upstream Megatron-LM's entry points and log line; the model, the pipeline schedules, DDP and
 the optimizer are megatron.core's. Before any model exists the pipeline layout is proven with
-the simulator (``pipeline_parallel.simulate``): a layout that would cross or deadlock is refused
-with the simulator's report.
+the verifier (``pipeline_parallel.verify``) against a model of the job's transport (gloo or
+NCCL): a layout that would cross or deadlock is refused with the verifier's report.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import flight_recorder, get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communicator import set_debug_tags
-from megatron.core.pipeline_parallel.schedule_plan import PlanSpec
-from megatron.core.pipeline_parallel.simulate import PlanError, check_spec
+from megatron.core.pipeline_parallel.verify import Layout, VerificationError, verify
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import checkpointing
@@ -58,7 +57,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         args = get_args()
         validate_training_args(args)
         preflight_pipeline_check(args)
-    except (ArgumentError, StartupError, PlanError) as error:
+    except (ArgumentError, StartupError, VerificationError) as error:
         # Bad input is the user's to fix: say so in one line, without a traceback.
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -91,14 +90,17 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
 
 def preflight_pipeline_check(args) -> None:
-    """Refuse a pipeline layout that would cross tensors or deadlock, before building anything."""
+    """Refuse a pipeline layout that would cross tensors or deadlock on the job's transport,
+    before building anything: every rank's schedule, as the executor runs it, against a model
+    of gloo or NCCL (a second or two at start-up for the largest layouts)."""
     if args.pipeline_model_parallel_size == 1:
         return
-    spec = PlanSpec(args.pipeline_model_parallel_size,
-                    args.virtual_pipeline_model_parallel_size or 1, num_microbatches(args),
-                    overlap_p2p_comm=args.overlap_p2p_comm,
-                    microbatch_group_size=args.microbatch_group_size_per_vp_stage)
-    check_spec(spec, serialize=not args.overlap_p2p_comm, batched=args.batch_p2p_comm)
+    mode = ("overlapped" if args.overlap_p2p_comm else
+            "batched" if args.batch_p2p_comm else "unbatched")
+    verify(Layout(args.pipeline_model_parallel_size,
+                  args.virtual_pipeline_model_parallel_size or 1, num_microbatches(args),
+                  args.variable_seq_lengths, mode, args.microbatch_group_size_per_vp_stage),
+           transport=args.distributed_backend)
 
 
 def _start_p2p_diagnostics(args) -> None:

@@ -5,6 +5,11 @@ names the step and the kind (activation or gradient), so the receiver can tell e
 message reached it: one from the wrong peer, of the wrong kind, from an earlier step or with
 a wrong shape fails a check. Each entry point returns the names of the scenarios it checked,
 so the parent can see that none was skipped.
+
+The same entry points run on NCCL ranks (``tests/gpu/test_nccl_pipeline.py``): tensors then
+live on the rank's GPU, and calls that send with variable lengths pass ``tensor_shape``, which
+NCCL needs to size the padded message (``_send_shape``); where a scenario relies on gloo
+accepting a short message into a longer buffer, NCCL runs what it can (see each entry point).
 """
 
 from __future__ import annotations
@@ -26,6 +31,21 @@ from megatron.core.pipeline_parallel.p2p_wire import PipelineShapeError, Tag, ma
 SEQ, MBS, HIDDEN = 8, 2, 3
 MAX_SHAPE = (SEQ, MBS, HIDDEN)
 DTYPE = torch.float32
+
+
+def on_nccl() -> bool:
+    return "nccl" in str(dist.get_backend())
+
+
+def device() -> torch.device:
+    """Where this rank's pipeline tensors live: its GPU on NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if on_nccl() else torch.device("cpu")
+
+
+def _send_shape(config: ModelParallelConfig) -> dict:
+    """Extra arguments of a plain send: over NCCL a variable-length send needs the maximum shape
+    (the message is padded to it); on gloo the upstream-style call without it is tested."""
+    return {"tensor_shape": MAX_SHAPE} if on_nccl() and config.variable_seq_lengths else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +74,8 @@ class Wire:
         return (1 + (3 * sender + tag) % SEQ, MBS, HIDDEN)
 
     def tensor(self, sender: int, tag: int) -> torch.Tensor:
-        return torch.full(self.shape(sender, tag), float(100 * sender + tag), dtype=DTYPE)
+        return torch.full(self.shape(sender, tag), float(100 * sender + tag), dtype=DTYPE,
+                          device=device())
 
     def expect(self, received: Optional[torch.Tensor], sender: int, tag: int, where: str) -> None:
         """``received`` must be exactly what ``sender`` sent with ``tag``."""
@@ -124,11 +145,11 @@ def _api_round(wire: Wire, config: ModelParallelConfig, rank: int, pp: int) -> N
     if not first:
         wire.expect(p2p.recv_forward(MAX_SHAPE, config), prev, 1, "recv_forward")
     if not last:
-        p2p.send_forward(wire.tensor(rank, 1), config)
+        p2p.send_forward(wire.tensor(rank, 1), config, **_send_shape(config))
     if not last:
         wire.expect(p2p.recv_backward(MAX_SHAPE, config), nxt, 2, "recv_backward")
     if not first:
-        p2p.send_backward(wire.tensor(rank, 2), config)
+        p2p.send_backward(wire.tensor(rank, 2), config, **_send_shape(config))
 
     # 1F1B steady state: pair with the previous stage, then with the next one.
     if not first:
@@ -173,12 +194,12 @@ def _virtual_stage_round(config: ModelParallelConfig, rank: int, pp: int) -> Non
     # Inner chunks: the last rank's chunk 0 feeds the first rank's chunk 1, across the wrap.
     if last:
         ps.set_virtual_pipeline_model_parallel_rank(0)
-        p2p.send_forward(wire.tensor(rank, 41), config)
+        p2p.send_forward(wire.tensor(rank, 41), config, **_send_shape(config))
         wire.expect(p2p.recv_backward(MAX_SHAPE, config), 0, 42, "recv_backward, chunk 0")
     if first:
         ps.set_virtual_pipeline_model_parallel_rank(1)
         wire.expect(p2p.recv_forward(MAX_SHAPE, config), pp - 1, 41, "recv_forward, chunk 1")
-        p2p.send_backward(wire.tensor(rank, 42), config)
+        p2p.send_backward(wire.tensor(rank, 42), config, **_send_shape(config))
     ps.set_virtual_pipeline_model_parallel_rank(0)
 
 
@@ -303,8 +324,19 @@ def overlap_api(rank: int, world_size: int) -> list[str]:
 
 def _raw_send_with_header(tensor: torch.Tensor, kind: Kind, dst: int) -> None:
     """What a peer posts when its operations cross: a header of ``kind`` and the payload."""
-    dist.send(make_header(tensor, Tag(kind)), dst, group=pipeline_group())
-    dist.send(tensor, dst, group=pipeline_group())
+    if not on_nccl():
+        dist.send(make_header(tensor, Tag(kind)), dst, group=pipeline_group())
+        dist.send(tensor, dst, group=pipeline_group())
+        return
+    # NCCL: the payload padded to the receiver's buffer (the counts must match), posted as a
+    # batch so that it travels on the group's communicator like the receiver's operations (a
+    # lone dist.send would go to a separate two-rank communicator and never meet them).
+    padded = torch.zeros(math.prod(MAX_SHAPE), dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.numel()].copy_(tensor.reshape(-1))
+    ops = [dist.P2POp(dist.isend, make_header(tensor, Tag(kind)), dst, pipeline_group()),
+           dist.P2POp(dist.isend, padded, dst, pipeline_group())]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _sender_errors(rank: int, fixed: Wire, variable: Wire) -> None:
@@ -315,7 +347,7 @@ def _sender_errors(rank: int, fixed: Wire, variable: Wire) -> None:
     fixed_comm = P2PCommunicator(pipeline_group(), fixed.config(2))
     variable_comm = P2PCommunicator(pipeline_group(), variable.config(2))
 
-    short = torch.zeros(5, MBS, HIDDEN)
+    short = torch.zeros(5, MBS, HIDDEN, device=device())
     for call in (
         lambda: fixed_comm.post([P2PMessage(op, tensor=short, shape=MAX_SHAPE)]),
         lambda: send_fn(short, fixed.config(2), tensor_shape=MAX_SHAPE),
@@ -324,7 +356,7 @@ def _sender_errors(rank: int, fixed: Wire, variable: Wire) -> None:
                       [f"pipeline {kind} from {me} to {peer}", "[5, 2, 3]", "expects [8, 2, 3]",
                        "--variable-seq-lengths"], call, "fixed shape differs on the sender")
 
-    long = torch.zeros(SEQ + 1, MBS, HIDDEN)
+    long = torch.zeros(SEQ + 1, MBS, HIDDEN, device=device())
     for call in (
         lambda: variable_comm.post([P2PMessage(op, tensor=long, shape=MAX_SHAPE)]),
         lambda: send_fn(long, variable.config(2), tensor_shape=MAX_SHAPE),
@@ -332,12 +364,13 @@ def _sender_errors(rank: int, fixed: Wire, variable: Wire) -> None:
         expect_raises(PipelineShapeError,
                       [f"from {me} to {peer}", "[9, 2, 3]", "[<=8, 2, 3]", "--seq-length"],
                       call, "variable length above the maximum on the sender")
+    other_hidden = torch.zeros(5, MBS, 4, device=device())
     expect_raises(PipelineShapeError, ["[5, 2, 4]", "[<=8, 2, 3]", "--seq-length"],
-                  lambda: variable_comm.post([P2PMessage(op, tensor=torch.zeros(5, MBS, 4),
+                  lambda: variable_comm.post([P2PMessage(op, tensor=other_hidden,
                                                          shape=MAX_SHAPE)]),
                   "variable lengths, hidden size differs on the sender")
 
-    wrong_dtype = torch.zeros(MAX_SHAPE, dtype=torch.float64)
+    wrong_dtype = torch.zeros(MAX_SHAPE, dtype=torch.float64, device=device())
     for call in (
         lambda: fixed_comm.post([P2PMessage(op, tensor=wrong_dtype)]),
         lambda: send_fn(wrong_dtype, variable.config(2)),
@@ -352,7 +385,7 @@ def _sender_errors(rank: int, fixed: Wire, variable: Wire) -> None:
         expect_raises(ValueError, [recv_op.value, "tensor_shape"], call,
                       "receive without tensor_shape")
 
-    twice = [P2PMessage(op, tensor=torch.zeros(MAX_SHAPE)) for _ in range(2)]
+    twice = [P2PMessage(op, tensor=torch.zeros(MAX_SHAPE, device=device())) for _ in range(2)]
     expect_raises(ValueError, [op.value, "only once"], lambda: fixed_comm.post(twice),
                   "the same operation twice in one call")
     expect_raises(ValueError, [op.value, "needs a tensor"],
@@ -390,6 +423,9 @@ def _receiver_shape_error(rank: int, wire: Wire) -> None:
 
 
 def error_cases(rank: int, world_size: int) -> list[str]:
+    """On NCCL the receiver-side shape check (``_receiver_shape_error``) is left out: there a
+    receiver whose tensor_shape differs from the sender's posts a receive of another element
+    count than the send, which NCCL does not define; the crossed headers run on both."""
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     peer = 1 - rank
     fixed, variable = Wire(False, True), Wire(True, True)
@@ -397,9 +433,13 @@ def error_cases(rank: int, world_size: int) -> list[str]:
     _sender_errors(rank, fixed, variable)
     checked.append("sender errors")
     for batched in (True, False):
+        mode = "batched" if batched else "unbatched"
         _crossed_header(rank, Wire(True, batched))
+        if on_nccl():
+            checked.append(f"crossed headers/{mode}")
+            continue
         _receiver_shape_error(rank, Wire(True, batched))
-        checked.append(f"receiver errors/{'batched' if batched else 'unbatched'}")
+        checked.append(f"receiver errors/{mode}")
 
     # Nothing stray is left on either channel: one more full exchange gets the right tensors.
     for wire in (fixed, variable):
@@ -434,7 +474,7 @@ def pipeline_groups_of_world4(rank: int, world_size: int) -> list[str]:
 
     # Both pipelines talk at the same time; the values carry the global sender rank.
     if rank < 2:
-        p2p.send_forward(wire.tensor(rank, 51), config)
+        p2p.send_forward(wire.tensor(rank, 51), config, **_send_shape(config))
     else:
         wire.expect(p2p.recv_forward(MAX_SHAPE, config), partner, 51, "recv_forward")
     from_prev, from_next = p2p.send_forward_backward_recv_forward_backward(
@@ -444,7 +484,8 @@ def pipeline_groups_of_world4(rank: int, world_size: int) -> list[str]:
     checked.append("function API")
 
     call = communicator.post([P2PMessage(PeerOp.RECV_PREV, shape=MAX_SHAPE),
-                              P2PMessage(PeerOp.SEND_NEXT, tensor=wire.tensor(rank, 54))])
+                              P2PMessage(PeerOp.SEND_NEXT, tensor=wire.tensor(rank, 54),
+                                         shape=_send_shape(config).get("tensor_shape"))])
     if set(call.ops) != {PeerOp.RECV_PREV, PeerOp.SEND_NEXT}:
         raise AssertionError(f"posted ops {call.ops}")
     results = call.wait_all()
@@ -513,6 +554,9 @@ def _probe_variable(rank: int, config: ModelParallelConfig) -> Optional[str]:
 
 
 def unchecked_sends_of_combined_calls(rank: int, world_size: int) -> dict[str, Optional[str]]:
+    """gloo only: the probes rely on gloo taking a short message into a longer buffer."""
+    if on_nccl():
+        raise RuntimeError("unchecked_sends_of_combined_calls runs on gloo only")
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     refusals = {"fixed": _probe_fixed(rank, Wire(False, True).config(2)),
                 "variable": _probe_variable(rank, Wire(True, True).config(2))}

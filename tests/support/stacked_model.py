@@ -71,9 +71,12 @@ def forward_step_func(data_iterator, model):
     return model(x), functools.partial(loss_func, target)
 
 
-def reference(batches, hidden: int, num_stages: int):
-    """Losses and per-stage parameter gradients of the whole stack, one process."""
-    blocks = [StageBlock(hidden, s) for s in range(num_stages)]
+def reference(batches, hidden: int, num_stages: int, device="cpu"):
+    """Losses and per-stage parameter gradients of the whole stack, one process.
+
+    The blocks are built on the CPU (their seeds are CPU generators) and moved to ``device``,
+    where ``batches`` must already be."""
+    blocks = [StageBlock(hidden, s).to(device) for s in range(num_stages)]
     losses = []
     for x, target in batches:
         h = x

@@ -12,7 +12,7 @@ from megatron.core.pipeline_parallel.schedule_plan import (
     compute_order, format_plan, forward_table, slots, warmup_count,
 )
 from megatron.core.pipeline_parallel.upstream_plans import upstream_batched_order
-from megatron.core.pipeline_parallel.simulate import PlanError, check_spec, simulate
+from megatron.core.pipeline_parallel.simulate import PlanError, check_spec, our_posting, simulate
 
 
 def specs(max_pp=6, max_vpp=3, forward_only=(False, True), overlap=(False, True)):
@@ -75,13 +75,14 @@ def test_impossible_specs_are_rejected(kwargs, message):
 
 def test_every_layout_runs_without_crossing_or_deadlock():
     """pp 1-6, vpp 1-3, every microbatch count up to 3*pp+1, group sizes, forward-only and
-    overlap: rendezvous semantics, and one-op-at-a-time per peer (NCCL streams)."""
+    overlap: on gloo, and on NCCL (one stream per communicator, hosts blocked only by shape
+    headers) with calls batched or one group per message."""
     count = 0
     for spec in specs():
         check_spec(spec)
-        check_spec(spec, serialize=True, batched=not spec.overlap_p2p_comm)
-        if not spec.overlap_p2p_comm:
-            check_spec(spec, serialize=True, batched=False)
+        check_spec(spec, transport="nccl", batched=not spec.overlap_p2p_comm,
+                   variable_seq_lengths=True)
+        check_spec(spec, transport="nccl", batched=False)
         count += 1
     assert count > 500
 
@@ -173,8 +174,9 @@ def test_simulator_reports_a_deadlock_with_what_each_rank_waits_for():
     # Each rank first waits for what the other only sends after its own wait.
     plans = [[Post((grad,)), Wait((grad,)), Post((act,)), Wait((act,))],
              [Post((act,)), Wait((act,)), Post((grad,)), Wait((grad,))]]
-    with pytest.raises(PlanError, match="deadlock: rank 0 waits for gradient of microbatch 0 "
-                                        r"\(stage 1->0\); rank 1 waits for activation"):
+    with pytest.raises(PlanError, match=r"deadlock: rank 0 waits for gradient of microbatch 0 "
+                                        r"\(stage 1->0\) \(its receive of .* rank 1 has not "
+                                        r"posted it\); rank 1 waits for activation"):
         simulate(plans, spec)
     plans = build_all_plans(PlanSpec(2, 1, 2))
     first_post = next(i for i, a in enumerate(plans[0]) if isinstance(a, Post))
@@ -183,19 +185,21 @@ def test_simulator_reports_a_deadlock_with_what_each_rank_waits_for():
         simulate(plans, PlanSpec(2, 1, 2))
 
 
-def test_serialized_links_deadlock_where_unordered_ones_complete():
-    # Each rank's link to the other runs its operations in posting order: rank 0 first
-    # receives, rank 1 first receives too, so neither head meets the other's head.
+def test_an_nccl_stream_deadlocks_where_gloo_completes():
+    # NCCL runs one communicator's groups in posting order: rank 0 first receives, rank 1
+    # first receives too, so neither head meets the other's head. gloo has no such order.
     spec = PlanSpec(2, 1, 1)
     act = Transfer(Kind.ACTIVATION, 0, 0, 1)
     grad = Transfer(Kind.GRADIENT, 0, 1, 0)
     plans = [[Post((grad,)), Post((act,)), Wait((grad, act))],
              [Post((act,)), Post((grad,)), Wait((act, grad))]]
     simulate(plans, spec)
-    with pytest.raises(PlanError, match="deadlock: rank 0 waits for gradient"):
-        simulate(plans, spec, serialize=True)
+    one_by_one = our_posting(batched=False)
+    with pytest.raises(PlanError, match="deadlock on the device.*rank 0 \\(its receive of "
+                                        "gradient.*queues behind rank 1's receive of activation"):
+        simulate(plans, spec, transport="nccl", posting=one_by_one)
     plans[1] = [Post((grad,)), Post((act,)), Wait((act, grad))]
-    simulate(plans, spec, serialize=True)
+    simulate(plans, spec, transport="nccl", posting=one_by_one)
 
 
 def test_simulator_reports_use_before_arrival():

@@ -1,12 +1,16 @@
-"""The pipeline verifier: our schedules pass everywhere, upstream's calls fail where they do."""
+"""The pipeline verifier: our schedules pass everywhere, on gloo and on NCCL; upstream's calls,
+and this tree's own communicator as it was before NCCL was modelled, fail where they do."""
 
 import itertools
+import math
 
 import pytest
 import torch
 
 from megatron.core.pipeline_parallel import verify as verifier
 from megatron.core.pipeline_parallel.ordering import order_ops
+from megatron.core.pipeline_parallel.p2p_wire import HEADER_NUMEL, WireOp
+from megatron.core.pipeline_parallel.transport_model import PIPELINE_COMM, pair_comm
 from megatron.core.pipeline_parallel.schedule_plan import Post, Wait
 from megatron.core.pipeline_parallel.upstream_plans import upstream_batched_order, upstream_ordering
 from megatron.core.pipeline_parallel.verify import Layout, VerificationError, main, verify
@@ -23,11 +27,52 @@ def foundation_matrix():
                 yield Layout(pp, vpp, m, variable, mode, group)
 
 
-def test_our_schedules_pass_the_whole_foundation_matrix():
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_our_schedules_pass_the_whole_foundation_matrix(transport):
     layouts = list(foundation_matrix())
     for layout in layouts:
-        verify(layout)
+        verify(layout, transport=transport)
     assert len(layouts) > 150
+
+
+_CAPACITY = math.prod((verifier._SEQ, verifier._MBS, verifier._HIDDEN))
+
+
+def communicator_at_6b8edd4(messages, pipeline_rank, pipeline_size, rules):
+    """How this tree's communicator put calls on the wire before the NCCL model existed: a
+    header before every variable-length message, every variable-length send padded to the
+    longest sequence over NCCL (while the receiver of a gradient posted its exact size), and
+    unbatched messages as single isend/irecv, which torch puts on a pair communicator."""
+    groups = []
+    for op, message in order_ops(((m.op, m) for m in messages), pipeline_rank):
+        wires = [WireOp(message, True, HEADER_NUMEL)] if rules.variable_seq_lengths else []
+        if op.is_send:
+            padded = rules.variable_seq_lengths and rules.equal_counts
+            numel = _CAPACITY if padded else message.tensor.numel()
+        else:
+            numel = math.prod(message.shape)
+        wires.append(WireOp(message, False, numel))
+        if rules.batched:
+            groups = [(PIPELINE_COMM, (groups[0][1] if groups else []) + wires)]
+        else:
+            peer = op.peer(pipeline_rank, pipeline_size)
+            groups += [(pair_comm(pipeline_rank, peer), [wire]) for wire in wires]
+    return groups
+
+
+@pytest.mark.parametrize("pp,vpp,mode", [(2, 2, "batched"), (2, 2, "overlapped"),
+                                         (4, 2, "batched"), (4, 2, "unbatched"),
+                                         (2, 1, "batched"), (4, 1, "unbatched")])
+def test_the_nccl_model_flags_the_communicator_as_it_was(pp, vpp, mode):
+    # The failures seen on one H200 over NCCL at 6b8edd4 (crossed headers, hangs) all had a
+    # send and its receive disagreeing on the element count, which gloo lets through.
+    layout = Layout(pp, vpp, 2 * pp, True, mode)
+    verify(layout, transport="gloo", planner=communicator_at_6b8edd4)
+    with pytest.raises(VerificationError, match="count mismatch on channel .*: rank . sends "
+                                                f"{_CAPACITY} elements .*gradient"):
+        verify(layout, transport="nccl", planner=communicator_at_6b8edd4)
+    verify(Layout(pp, vpp, 2 * pp, False, mode), transport="nccl",
+           planner=communicator_at_6b8edd4)  # equal lengths were fine there too
 
 
 def test_upstream_order_injected_into_our_schedules_crosses_at_pp2_interleaved_only():
@@ -109,7 +154,13 @@ def test_a_deadlock_is_reported_with_what_each_rank_waits_for(monkeypatch):
     _edit_plan(monkeypatch, 0, wait_for_the_first_gradient_before_anything)
     with pytest.raises(VerificationError, match="deadlock: rank 0 waits for gradient of "
                                                 "microbatch 0.*rank 1 waits for activation"):
-        verify(Layout(2, 1, 2))
+        verify(Layout(2, 1, 2), transport="gloo")
+    # NCCL hosts do not block in that wait; the two streams do, each behind a receive.
+    with pytest.raises(VerificationError, match=(
+            r"deadlock on the device .*: rank 0 \(its receive of gradient of microbatch 0 "
+            r"\(stage 1->0\) from rank 1: rank 1 posted it, but there it queues behind rank "
+            r"1's receive of activation .*\); rank 1 \(its receive of activation .*\)$")):
+        verify(Layout(2, 1, 2), transport="nccl")
 
 
 def test_a_wrong_receive_shape_is_reported(monkeypatch):
@@ -131,6 +182,7 @@ def test_cli(capsys):
 
 
 @pytest.mark.slow
-def test_sweep_passes(capsys):
-    assert main(["--sweep"]) == 0
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_sweep_passes(capsys, transport):
+    assert main(["--sweep", "--distributed-backend", transport]) == 0
     assert "0 failing" in capsys.readouterr().out

@@ -119,14 +119,15 @@ def _largest_error(outcome: LaunchOutcome, scenario: str, pipeline_size: int) ->
     return max(errors)
 
 
-def _assert_matches_reference(outcome: LaunchOutcome, scenario: str, pipeline_size: int):
+def _assert_matches_reference(outcome: LaunchOutcome, scenario: str, pipeline_size: int, *,
+                              rtol: float = RTOL, atol: float = ATOL):
     assert outcome.finished(scenario), f"{scenario} did not finish:\n{outcome.describe()}"
     losses, grads = _merged(outcome, scenario)
     ref_losses, ref_grads = _reference(pipeline_size, variable=scenario == "variable")
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=rtol, atol=atol)
     for stage, named in ref_grads.items():
         for name, ref in named.items():
-            torch.testing.assert_close(grads[stage][name], ref, rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(grads[stage][name], ref, rtol=rtol, atol=atol,
                                        msg=lambda m: f"stage {stage} {name}: {m}")
 
 

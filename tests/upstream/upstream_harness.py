@@ -1,4 +1,5 @@
-"""Install upstream megatron-core wheels, patch them, and run ``upstream_rank.py`` on gloo ranks.
+"""Install upstream megatron-core wheels, patch them, and run ``upstream_rank.py`` on gloo ranks
+(or on NCCL ranks sharing one GPU, ``backend="nccl"``).
 
 Every rank is a separate interpreter whose ``PYTHONPATH`` holds only the installed wheel (and
 triton where the wheel needs it), so upstream's ``megatron`` and this project's never share a
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -54,6 +56,23 @@ def download_and_install(requirement: str, wheels: Path, target: Path, *,
         raise HarnessError(f"pip download of {requirement!r} left no wheel in {wheels}")
     _run(pip + ["install", "--quiet", "--no-deps", *relax, "--target", str(target),
                 str(matches[-1])])
+    return target
+
+
+def unpack_wheel(wheel: Path, target: Path) -> Path:
+    """Install a wheel already on disk into ``target`` by unpacking it, without pip.
+
+    For machines without network access. A wheel is a zip of what ``pip install --target``
+    would copy (plus ``*.data/`` for scripts and headers, left out here); unpacking also takes
+    a wheel built for another CPython (0.11.0 ships cp311 only), which is fine for the pure-Python
+    pipeline code used here: its one extension, the datasets helper, is never imported.
+    """
+    with zipfile.ZipFile(wheel) as archive:
+        members = [name for name in archive.namelist()
+                   if not name.split("/", 1)[0].endswith(".data")]
+        archive.extractall(target, members)
+    if not (target / "megatron" / "core").is_dir():
+        raise HarnessError(f"{wheel} holds no megatron/core package")
     return target
 
 
@@ -109,8 +128,13 @@ class LaunchOutcome:
 
 
 def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str], out: Path,
-           deadline_s: float, num_microbatches: Optional[int] = None) -> LaunchOutcome:
-    """Run ``upstream_rank.py`` on ``pipeline_size`` gloo ranks; never wait past the deadline."""
+           deadline_s: float, num_microbatches: Optional[int] = None,
+           backend: str = "gloo") -> LaunchOutcome:
+    """Run ``upstream_rank.py`` on ``pipeline_size`` ranks; never wait past the deadline.
+
+    ``backend="nccl"``: every rank is a one-GPU host of its own on the one GPU (the variables
+    of ``tools/launch_nccl_ranks.py``), with CUDA tensors and no CPU shims.
+    """
     out.mkdir(parents=True, exist_ok=True)
     env = {
         key: value for key, value in os.environ.items()
@@ -131,6 +155,13 @@ def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str],
         command += ["--scenario", scenario]
     if num_microbatches is not None:
         command += ["--num-microbatches", str(num_microbatches)]
+    rank_env = [{"RANK": str(rank)} for rank in range(pipeline_size)]
+    if backend == "nccl":
+        from tests.gpu.nccl_support import DETERMINISTIC_ENV, launcher
+
+        command += ["--backend", "nccl"]
+        rank_env = [{**DETERMINISTIC_ENV, **launcher().rank_environment(
+            rank, pipeline_size, int(env["MASTER_PORT"]))} for rank in range(pipeline_size)]
 
     log_paths = [out / f"rank{rank}.log" for rank in range(pipeline_size)]
     processes: list[subprocess.Popen] = []
@@ -138,7 +169,7 @@ def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str],
         for rank, log_path in enumerate(log_paths):
             with open(log_path, "w") as log:
                 processes.append(subprocess.Popen(
-                    command, env={**env, "RANK": str(rank)}, cwd=RANK_SCRIPT.parent,
+                    command, env={**env, **rank_env[rank]}, cwd=RANK_SCRIPT.parent,
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 ))
         while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):

@@ -1,4 +1,4 @@
-"""One rank of an upstream megatron-core pipeline run on CPU/gloo (run as a script).
+"""One rank of an upstream megatron-core pipeline run on CPU/gloo, or NCCL on a GPU (a script).
 
 Started by ``upstream_harness`` with ``PYTHONPATH`` holding only an installed megatron-core
 wheel (and, for new versions, triton): the ``megatron`` imported here is upstream's, never
@@ -11,6 +11,8 @@ Each scenario runs upstream's own ``get_forward_backward_func`` (interleaved, vp
 ``batch_p2p_comm=True``) over ``stack_model`` and saves ``DIR/<scenario>-rank<R>.pt`` with the
 losses (last stage), the gradients of the stages this rank holds, and every p2p operation the
 rank posted, in order. A scenario that crashes or hangs leaves no file; the parent judges.
+With ``--backend nccl`` the model and data live on the GPU of ``LOCAL_RANK`` and upstream's own
+CUDA code runs as released (no shims); saved tensors are moved to the CPU.
 The rank leaves with ``os._exit`` right after the last scenario is saved.
 """
 
@@ -74,7 +76,7 @@ def check_megatron_is_upstream() -> None:
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha1(tensor.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha1(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 class PostedOps:
@@ -100,7 +102,8 @@ class PostedOps:
         return taken
 
 
-def run_scenario(name: str, pipeline_size: int, num_microbatches: int, posted: PostedOps) -> dict:
+def run_scenario(name: str, pipeline_size: int, num_microbatches: int, posted: PostedOps,
+                 device: torch.device) -> dict:
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -119,11 +122,13 @@ def run_scenario(name: str, pipeline_size: int, num_microbatches: int, posted: P
     config.hidden_size = stack_model.HIDDEN  # the interleaved schedule reads it from the config
 
     stages = [chunk * pipeline_size + pipeline_rank for chunk in range(VIRTUAL_PIPELINE_SIZE)]
-    chunks = [stack_model.PipelineChunk(config, ModelType.encoder_or_decoder, stage)
+    chunks = [stack_model.PipelineChunk(config, ModelType.encoder_or_decoder, stage).to(device)
               for stage in stages]
     for chunk_id, chunk in enumerate(chunks):
         chunk.vp_stage = chunk_id  # newer schedules ask the chunk which virtual stage it is
-    batches = stack_model.make_microbatches(num_microbatches, variable_lengths=variable)
+    batches = [stack_model.Microbatch(batch.inputs.to(device), batch.target.to(device))
+               for batch in stack_model.make_microbatches(num_microbatches,
+                                                          variable_lengths=variable)]
 
     posted.take()
     losses = get_forward_backward_func()(
@@ -136,8 +141,9 @@ def run_scenario(name: str, pipeline_size: int, num_microbatches: int, posted: P
         forward_only=False,
     )
     return {
-        "losses": [entry["loss"] for entry in losses],
-        "grads": {stage: stack_model.stage_gradients(chunk.block)
+        "losses": [entry["loss"].cpu() for entry in losses],
+        "grads": {stage: {name: grad.cpu() for name, grad in
+                          stack_model.stage_gradients(chunk.block).items()}
                   for stage, chunk in zip(stages, chunks)},
         "ops": posted.take(),
     }
@@ -153,17 +159,23 @@ def main() -> None:
                         help="default: twice the pipeline size")
     parser.add_argument("--deadline-at", type=float, required=True,
                         help="time.time() at which the parent kills this rank")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = parser.parse_args()
 
     # Show where this rank is stuck shortly before the parent kills it at the deadline.
     seconds_left = args.deadline_at - time.time()
     faulthandler.dump_traceback_later(max(1.0, seconds_left - 5.0), exit=False)
-    install_cpu_shims()
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        install_cpu_shims()
     check_megatron_is_upstream()
     posted = PostedOps()
 
     dist.init_process_group(
-        "gloo", timeout=datetime.timedelta(seconds=max(1.0, seconds_left)),
+        args.backend, timeout=datetime.timedelta(seconds=max(1.0, seconds_left)),
         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
     )
     from megatron.core import parallel_state
@@ -176,7 +188,7 @@ def main() -> None:
     num_microbatches = args.num_microbatches or 2 * args.pipeline_size
     for name in args.scenario:
         print(f"rank {rank}: scenario {name} starts", file=sys.stderr, flush=True)
-        result = run_scenario(name, args.pipeline_size, num_microbatches, posted)
+        result = run_scenario(name, args.pipeline_size, num_microbatches, posted, device)
         # Write then rename, so a rank killed mid-write never leaves a half file behind.
         partial = args.out / f"{name}-rank{rank}.pt.partial"
         torch.save(result, partial)

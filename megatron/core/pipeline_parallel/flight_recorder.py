@@ -58,9 +58,7 @@ class P2PRecord:
         return f"{self.op} {what} {direction} pipeline rank {self.peer_pipeline_rank}"
 
     def as_json(self) -> dict:
-        record = dataclasses.asdict(self)
-        del record["done"]
-        return record
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "done"}
 
 
 class FlightRecorder:
@@ -68,6 +66,9 @@ class FlightRecorder:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self._ring: collections.deque[P2PRecord] = collections.deque(maxlen=capacity)
+        # Records not yet seen complete, oldest first. Asking them lets the transport drop its
+        # handles (and with them the tensors) of operations that finished on the device.
+        self._open: collections.deque[P2PRecord] = collections.deque()
         self._lock = threading.Lock()
         self._seq = 0
         self._calls = 0
@@ -97,10 +98,22 @@ class FlightRecorder:
             record = P2PRecord(self._seq, call, op, peer, peer_pipeline_rank, index, kind,
                                microbatch, src_stage, dst_stage, shape, dtype, self.now(),
                                done=done)
+            self._sweep()  # before adding: the new one has not had time to finish
             self._ring.append(record)
+            self._open.append(record)
         return record
 
+    def _sweep(self) -> None:
+        open_ = self._open
+        while open_ and (open_[0].completed_s is not None or open_[0].done()):
+            record = open_.popleft()
+            if record.completed_s is None:
+                record.completed_s = self.now()
+        if len(open_) > self._ring.maxlen:  # long evicted from the ring: nobody asks any more
+            open_.popleft()
+
     def complete(self, record: P2PRecord) -> None:
+        """The host saw the operation finish."""
         record.completed_s = self.now()
 
     def records(self) -> list[P2PRecord]:
@@ -116,6 +129,9 @@ class FlightRecorder:
     def dump(self, directory: str, *, reason: str) -> str:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{self.rank if self.rank is not None else 0}.json")
+        for record in self.records():  # finished on the device since the host last looked
+            if record.completed_s is None and record.done():
+                record.completed_s = self.now()
         payload: dict[str, Any] = {
             "rank": self.rank, "pipeline_rank": self.pipeline_rank,
             "pipeline_ranks": self.pipeline_ranks, "schedule": self.schedule, "reason": reason,

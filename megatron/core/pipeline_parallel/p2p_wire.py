@@ -1,30 +1,40 @@
-"""How a pipeline tensor is laid out on the wire, and the checks made on both ends.
+"""What a pipeline call puts on the wire, how a tensor is laid out there, and the checks made on
+both ends.
+
+``plan_call`` turns the messages of one call into transport operations, in the order of the
+ordering rule, grouped as they are posted: the whole call as one group (batched) or one group per
+message. Both ends of every message derive the same operations from what both know, so the k-th
+send of a channel meets the k-th receive with the same element count (NCCL requires it).
 
 Fixed shapes (``variable_seq_lengths=False``): the tensor itself, nothing else. Both ends know
 its shape; the sender checks it before posting, so a wrong shape is an error on the rank that
 produced it rather than silent truncation or an abort on the peer.
 
-Variable shapes: the shape travels in a 128-byte header message posted right before the payload,
-in the same call, to the same peer. The receiver posts both at once: the header into a small
-buffer and the payload into a buffer sized for the largest tensor the call allows (the
-``tensor_shape`` every rank passes, i.e. (seq_length, micro_batch_size, hidden_size)). No
-extra round trip and no extra blocking phase, so variable lengths communicate exactly like
-fixed ones. NCCL needs matching counts on both ends, so there the payload is padded to that
-capacity; gloo accepts a shorter message into a larger buffer, so there it travels unpadded.
+Variable shapes: a receiver that cannot know the shape (an activation: its sequence length is
+the sender's microbatch's) gets it in a 128-byte header message posted right before the payload,
+in the same group, to the same peer, and posts the payload into a buffer sized for the largest
+tensor the call allows (``tensor_shape``, i.e. (seq_length, micro_batch_size, hidden_size)).
+No extra round trip and no extra blocking phase. NCCL needs matching counts on both ends, so
+there such a payload is padded to that capacity; gloo accepts a shorter message into a larger
+buffer, so there it travels unpadded. A receiver that knows the exact shape (a gradient, which
+has the shape of the activation the receiver sent: the schedules mark it ``exact`` on both ends)
+gets the payload alone, exactly sized: half the traffic is never padded, and reading it needs no
+host synchronisation.
 
 The header also names the tensor (kind, microbatch, stages) so the receiver can check it got
-the one it expects. With ``--p2p-debug-tags`` the header travels with fixed shapes too, which
-turns any crossed pairing into an immediate error at the receiver.
+the one it expects. With ``--p2p-debug-tags`` every message carries a header, which turns any
+crossed pairing into an immediate error at the receiver.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 
-from megatron.core.pipeline_parallel.ordering import Kind
+from megatron.core.pipeline_parallel.ordering import Kind, PeerOp, order_ops
 
 _MAGIC = 0x5AFE_91BE_0002
 # magic, kind, microbatch, source stage, destination stage, ndim, up to 6 dims, 4 spare
@@ -155,3 +165,111 @@ def payload_view(buffer: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     for d in shape:
         numel *= int(d)
     return buffer.view(-1)[:numel].view(*shape)
+
+
+@dataclasses.dataclass
+class P2PMessage:
+    """One logical operation of a call.
+
+    ``shape`` is, for a receive, the expected shape (with variable sequence lengths: the
+    largest allowed one, unless ``exact``); for a send, the shape the receiver expects, when
+    known, so that a mismatch is reported by the sender before anything is posted. ``exact``
+    says both ends know the tensor's exact shape; it must be set alike on both ends.
+    """
+
+    op: PeerOp
+    tensor: Optional[torch.Tensor] = None
+    shape: Optional[Sequence[int]] = None
+    exact: bool = False
+    what: str = ""
+    tag: Optional[Tag] = None  # what the tensor is, when the caller knows
+
+    def effective_tag(self) -> Tag:
+        return self.tag if self.tag is not None else Tag(self.op.kind)
+
+
+HEADER_NUMEL = _HEADER_WORDS
+
+
+def check_send(message: P2PMessage, *, variable: bool, pipeline_dtype: Optional[torch.dtype],
+               ends: Endpoints) -> None:
+    """What a sender checks before posting anything: a tensor, of the pipeline dtype, with a
+    shape the receiver accepts (when the sender knows that shape)."""
+    tensor, kind = message.tensor, message.op.kind
+    if tensor is None:
+        raise ValueError(f"{message.op.value} needs a tensor to send")
+    if pipeline_dtype is not None and tensor.dtype != pipeline_dtype:
+        raise PipelineShapeError(
+            f"pipeline {kind.value} {message.what}from {ends.sender} has dtype {tensor.dtype} "
+            f"but pipeline_dtype is {pipeline_dtype}; the receiver would misread it. Set "
+            f"pipeline_dtype to the dtype the model chunks exchange")
+    if message.shape is not None:
+        check_shape(tensor.shape, message.shape, variable=variable, kind=kind, ends=ends,
+                    what=message.what)
+
+
+@dataclasses.dataclass(frozen=True)
+class WireRules:
+    """How messages travel; every rank of a job must use the same rules."""
+
+    variable_seq_lengths: bool
+    equal_counts: bool  # NCCL: a send carries exactly as many elements as its receive expects
+    batched: bool = True  # one group per call, else one group per message
+    debug_tags: bool = False  # a header with every message
+
+    def has_header(self, message: P2PMessage) -> bool:
+        return self.debug_tags or self.variable(message)
+
+    def variable(self, message: P2PMessage) -> bool:
+        """Whether the receiver learns the message's shape only on arrival."""
+        return self.variable_seq_lengths and not message.exact
+
+    def payload_numel(self, message: P2PMessage) -> int:
+        """Elements of the message's payload on the wire (for a receive: its buffer's size)."""
+        if message.op.is_send:
+            if message.tensor is None:
+                raise ValueError(f"{message.op.value} needs a tensor to send")
+            if not (self.equal_counts and self.variable(message)):
+                return message.tensor.numel()
+            if message.shape is None:
+                raise ValueError(
+                    f"variable_seq_lengths over NCCL: {message.op.value} needs the maximum tensor "
+                    f"shape (tensor_shape=(seq_length, micro_batch_size, hidden_size)) to size the "
+                    f"message; the schedules pass it, direct callers must too")
+        elif message.shape is None:
+            raise ValueError(
+                f"{message.op.value} needs tensor_shape; the common one is "
+                f"(seq_length, micro_batch_size, hidden_size)")
+        return math.prod(int(d) for d in message.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class WireOp:
+    """One transport operation: a message's header or its payload."""
+
+    message: P2PMessage
+    header: bool
+    numel: int
+
+    @property
+    def op(self) -> PeerOp:
+        return self.message.op
+
+
+def plan_call(messages: Sequence[P2PMessage], pipeline_rank: int, rules: WireRules, *,
+              ordering=order_ops) -> list[list[WireOp]]:
+    """The transport operations of one call, in posting order, grouped as they are posted."""
+    seen = set()
+    for message in messages:
+        if message.op in seen:
+            raise ValueError(f"one pipeline p2p call may carry {message.op.value} only once")
+        seen.add(message.op)
+    groups = []
+    for _, message in ordering(((m.op, m) for m in messages), pipeline_rank):
+        ops = [WireOp(message, True, HEADER_NUMEL)] if rules.has_header(message) else []
+        ops.append(WireOp(message, False, rules.payload_numel(message)))
+        if rules.batched and groups:
+            groups[0].extend(ops)
+        else:
+            groups.append(ops)
+    return groups

@@ -17,10 +17,8 @@ from megatron.core.pipeline_parallel.microbatch_step import (
     backward_step, check_first_val_step, deallocate_output_tensor, forward_step,
 )
 from megatron.core.pipeline_parallel.ordering import Kind
-from megatron.core.pipeline_parallel.p2p_wire import Tag
-from megatron.core.pipeline_parallel.p2p_communicator import (
-    P2PCommunicator, P2PMessage, PendingCall,
-)
+from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator, PendingCall
+from megatron.core.pipeline_parallel.p2p_wire import P2PMessage, Tag
 from megatron.core.pipeline_parallel.schedule_plan import (
     Action, Compute, Phase, PlanSpec, Post, Transfer, Wait, input_transfer,
 )
@@ -107,6 +105,7 @@ class PlanExecutor:
         self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.output_shapes: dict[tuple[int, int], torch.Size] = {}
+        self.input_shapes: dict[tuple[int, int], torch.Size] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.pending: dict[Transfer, PendingCall] = {}
         self.arrived: dict[Transfer, torch.Tensor] = {}
@@ -158,7 +157,7 @@ class PlanExecutor:
                                       "microbatch": action.microbatch, "start": started,
                                       "end": time.perf_counter()})
             elif isinstance(action, Post):
-                self._post(action.transfers)
+                yield from self._post(action.transfers)
             elif isinstance(action, Wait):
                 for transfer in action.transfers:
                     yield from self._await(transfer)
@@ -174,19 +173,30 @@ class PlanExecutor:
         op = transfer.peer_op(rank, size)
         what = f"of microbatch {transfer.microbatch} (stage {transfer.src_stage}->{transfer.dst_stage}) "
         shape = tuple(self.run.tensor_shape)
+        # A gradient has the shape of the activation it belongs to, which both of its ends
+        # know: the sender received that activation, the receiver sent it. So with variable
+        # lengths gradients are exact on both ends: no header, no padding.
+        exact = transfer.kind is Kind.GRADIENT and self.run.config.variable_seq_lengths
+        key = self._local(transfer, sending=op.is_send)
         if op.is_send:
-            key = self._local(transfer, sending=True)
-            tensor = (self.outputs[key] if transfer.kind is Kind.ACTIVATION
-                      else self.input_grads.pop(key))
-            return P2PMessage(op, tensor=tensor, shape=shape, what=what, tag=_tag(transfer))
-        exact = False
-        if transfer.kind is Kind.GRADIENT and self.run.config.variable_seq_lengths:
-            # The gradient of an output has that output's shape, known here exactly.
-            shape, exact = tuple(self.output_shapes[self._local(transfer, sending=False)]), True
+            if transfer.kind is Kind.ACTIVATION:
+                tensor = self.outputs[key]
+            else:
+                tensor = self.input_grads.pop(key)
+                input_shape = tuple(self.input_shapes.pop(key))
+                shape = input_shape if exact else shape
+            return P2PMessage(op, tensor=tensor, shape=shape, exact=exact, what=what,
+                              tag=_tag(transfer))
+        if exact:
+            shape = tuple(self.output_shapes[key])
         return P2PMessage(op, shape=shape, exact=exact, what=what, tag=_tag(transfer))
 
-    def _post(self, transfers: Sequence[Transfer]) -> None:
-        call = self.run.communicator.post([self._message(t) for t in transfers])
+    def _post(self, transfers: Sequence[Transfer]) -> Iterator[Transfer]:
+        messages = [self._message(t) for t in transfers]
+        communicator = self.run.communicator
+        while not communicator.ready_to_post(messages):
+            yield transfers[0]
+        call = communicator.post(messages)
         for transfer in transfers:
             self.pending[transfer] = call
 
@@ -242,6 +252,8 @@ class PlanExecutor:
         if not self.forward_only:
             self.inputs[key] = input_tensor
             self.outputs[key] = output
+            if input_tensor is not None:
+                self.input_shapes[key] = input_tensor.shape
         elif not is_last:
             self.outputs[key] = output
         if not is_last:

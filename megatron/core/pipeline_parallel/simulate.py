@@ -1,32 +1,29 @@
-"""Run the plans of all pipeline ranks against a model of p2p matching, in one process.
+"""Run the plans of all pipeline ranks against a model of the transport, in one process.
 
-The model is what gloo and NCCL guarantee and no more:
-
-* operations between two ranks are matched per directed channel in posting order, with no
-  regard to what they carry (no tags);
-* an operation completes only once its counterpart has been posted (sends are rendezvous);
-* each rank posts the operations of one call in the order of ``ordering.order_ops`` (or of
-  another ordering function, to show what upstream's order does).
-
-With ``serialize=True`` it also models a backend that runs the operations between one pair of
-ranks strictly one after the other (one NCCL stream per peer, operations posted one by one): an
-operation can only match once everything posted before it towards the same peer completed,
-unless both were posted in one batch (``batched=True``), which runs as a unit.
+Every ``Post`` of a plan becomes one or more groups of operations in a ``TransportModel``
+(gloo or NCCL, see ``transport_model``), laid out by a posting policy: ``our_posting`` for this
+tree's communicator, ``upstream_posting`` for upstream Megatron-LM's (its shape exchange, its
+device synchronisations, its single operations on per-pair communicators). A ``Wait`` blocks
+the rank's host where the transport would: on gloo always, on NCCL only where the host reads the
+data (a shape header) or synchronises the device; elsewhere it only orders the rank's compute
+stream after the group.
 
 The simulator reports the first crossed pair (a send meeting a receive of another transfer),
-a deadlock (every unfinished rank blocked in a wait, with what each waits for), a compute that
-runs before its input arrived, and anything left unmatched at the end.
+a deadlock (no host can go on, or groups that can never complete, with what each waits for),
+a compute that runs before its input arrived, and anything left unmatched at the end.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
-from megatron.core.pipeline_parallel.ordering import order_ops
+from megatron.core.pipeline_parallel.ordering import Kind, PeerOp, order_ops
 from megatron.core.pipeline_parallel.schedule_plan import (
     Action, Compute, PlanSpec, Post, Transfer, Wait, build_all_plans, input_transfer,
+)
+from megatron.core.pipeline_parallel.transport_model import (
+    GLOO, PIPELINE_COMM, ModelOp, TransportError, TransportModel, pair_comm,
 )
 
 
@@ -34,16 +31,46 @@ class PlanError(RuntimeError):
     """The plans would cross tensors, deadlock, or use a tensor before it arrives."""
 
 
-@dataclasses.dataclass
-class _Endpoint:
-    rank: int
-    transfer: Transfer
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """One group of operations a call posts: on which communicator, which transfers (in
+    posting order), and at whose waits the host blocks until the group completed (NCCL)."""
+
+    comm: Hashable
+    transfers: tuple[tuple[PeerOp, Transfer], ...]
+    host_blocks: frozenset = frozenset()
 
 
-@dataclasses.dataclass
-class _Channel:
-    sends: list[_Endpoint] = dataclasses.field(default_factory=list)
-    recvs: list[_Endpoint] = dataclasses.field(default_factory=list)
+# (pipeline rank, pipeline size, the call's operations in posting order) -> its groups
+Posting = Callable[[int, int, list[tuple[PeerOp, Transfer]]], list[GroupSpec]]
+
+
+def our_posting(*, batched: bool = True, variable_seq_lengths: bool = False) -> Posting:
+    """This tree's communicator: every group through ``batch_isend_irecv`` on the pipeline
+    group (the whole call, or one message per group), the host reading the shape header of
+    every activation it receives when lengths vary."""
+    def groups(rank: int, size: int, ordered: list[tuple[PeerOp, Transfer]]) -> list[GroupSpec]:
+        del rank, size
+        reads = frozenset(t for op, t in ordered if variable_seq_lengths and not op.is_send
+                          and t.kind is Kind.ACTIVATION)
+        if batched:
+            return [GroupSpec(PIPELINE_COMM, tuple(ordered), reads)]
+        return [GroupSpec(PIPELINE_COMM, (item,), reads) for item in ordered]
+    return groups
+
+
+def upstream_posting(*, batched: bool) -> Posting:
+    """Upstream megatron-core 0.11: the shape exchange is batched on the default group and
+    followed by a device synchronisation; batched payloads too (``batch_p2p_sync``); unbatched
+    payloads are single operations, which torch puts on per-pair communicators."""
+    def groups(rank: int, size: int, ordered: list[tuple[PeerOp, Transfer]]) -> list[GroupSpec]:
+        transfers = frozenset(t for _, t in ordered)
+        if ordered[0][1].part == "shape":
+            return [GroupSpec("default group", tuple(ordered), transfers)]
+        if batched:
+            return [GroupSpec(PIPELINE_COMM, tuple(ordered), transfers)]
+        return [GroupSpec(pair_comm(rank, op.peer(rank, size)), ((op, t),)) for op, t in ordered]
+    return groups
 
 
 @dataclasses.dataclass
@@ -53,83 +80,60 @@ class SimulationReport:
     compute_order: list[list[Compute]]
 
 
-def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bool = False,
-             batched: bool = False, ordering: Callable = order_ops) -> SimulationReport:
+def _crossing_check(send: ModelOp, recv: ModelOp, where: str) -> None:
+    if send.label != recv.label:
+        raise PlanError(f"crossed on {where}: rank {send.rank} sends {send.label} but rank "
+                        f"{recv.rank} receives it as {recv.label}")
+
+
+def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, transport: str = GLOO,
+             posting: Posting | None = None, ordering: Callable = order_ops) -> SimulationReport:
     """Execute ``plans`` (one per pipeline rank); raise PlanError on the first violation."""
     p = spec.pipeline_size
-    # serialize: per (rank, peer), units of operations in posting order; each unit is a list of
-    # (rank, transfer). heads[(rank, peer)] is the index of the first unit not yet complete.
-    units: dict[tuple[int, int], list[list[tuple[int, Transfer]]]] = collections.defaultdict(list)
-    heads: dict[tuple[int, int], int] = collections.defaultdict(int)
-    unit_of: dict[tuple[int, Transfer], tuple[tuple[int, int], int]] = {}
-    completed: set[tuple[int, Transfer]] = set()
-    channels: dict[tuple[int, int], _Channel] = collections.defaultdict(_Channel)
-    # (rank, transfer) -> (channel key, index, is_send) for every posted operation
-    posted: dict[tuple[int, Transfer], tuple[tuple[int, int], int, bool]] = {}
+    posting = posting or our_posting()
+    model = TransportModel(transport, check=_crossing_check)
+    group_of: dict[tuple[int, Transfer], object] = {}
+    blocks_host: set[tuple[int, Transfer]] = set()
     arrived: list[set[Transfer]] = [set() for _ in range(p)]
+    to_post: list[list[GroupSpec]] = [[] for _ in range(p)]  # the rest of a Post in progress
     pcs = [0] * p
     computed: list[list[Compute]] = [[] for _ in range(p)]
-    messages = 0
-    rounds = 0
-    touched: set[tuple[int, int]] = set()
+    messages = rounds = 0
 
-    def counterpart(rank: int, transfer: Transfer) -> _Endpoint | None:
-        key, index, is_send = posted[(rank, transfer)]
-        channel = channels[key]
-        other = channel.recvs if is_send else channel.sends
-        if index >= len(other):
-            return None
-        mine = channel.sends[index] if is_send else channel.recvs[index]
-        theirs = other[index]
-        if mine.transfer != theirs.transfer:
-            send, recv = (mine, theirs) if is_send else (theirs, mine)
-            raise PlanError(
-                f"crossed on channel {key[0]}->{key[1]}, message #{index}: rank {send.rank} "
-                f"sends {send.transfer} but rank {recv.rank} receives it as {recv.transfer}")
-        return theirs
+    def post(rank: int, action: Post) -> bool:
+        """Post what is left of ``action``; False while the host is held in a meeting."""
+        nonlocal messages
+        if not to_post[rank]:
+            ops = [(t.peer_op(rank, p), t) for t in action.transfers]
+            to_post[rank] = posting(rank, p, list(ordering(ops, rank)))
+        while to_post[rank]:
+            group = to_post[rank][0]
+            if not model.joined(rank, group.comm):
+                return False
+            model_ops = []
+            for op, transfer in group.transfers:
+                if (rank, transfer) in group_of:
+                    raise PlanError(f"rank {rank} posts {transfer} twice")
+                model_ops.append(ModelOp(op.is_send, op.peer(rank, p), transfer))
+                messages += op.is_send
+            posted = _model_call(model.post, rank, group.comm, model_ops)
+            for _, transfer in group.transfers:
+                group_of[(rank, transfer)] = posted
+                if transfer in group.host_blocks:
+                    blocks_host.add((rank, transfer))
+            to_post[rank].pop(0)
+        return True
 
-    def at_head(rank: int, transfer: Transfer) -> bool:
-        fifo, position = unit_of[(rank, transfer)]
-        return heads[fifo] == position
-
-    def advance_serialized() -> None:
-        # Complete every head unit whose operations all meet counterparts at their heads. Only
-        # FIFOs touched since the last call can move: a post touches its own FIFO and the
-        # reverse one, and a completion in a FIFO touches the reverse one (its counterparts).
-        while touched:
-            fifo = touched.pop()
-            fifo_units = units[fifo]
-            while heads[fifo] < len(fifo_units):
-                unit = fifo_units[heads[fifo]]
-                pending = [op for op in unit if op not in completed]
-                ready = []
-                for rank, transfer in pending:
-                    other = counterpart(rank, transfer)
-                    if other is None or not at_head(other.rank, other.transfer):
-                        break
-                    ready.append((rank, transfer))
-                    ready.append((other.rank, other.transfer))
-                else:
-                    completed.update(ready)
-                    heads[fifo] += 1
-                    touched.add(fifo[::-1])
-                    continue
-                # A partially matched unit still completes the operations that matched
-                # (e.g. the send half of a batch), which can unblock the peer's head.
-                if ready and any(op not in completed for op in ready):
-                    completed.update(ready)
-                    touched.add(fifo[::-1])
-                break
-
-    def matched(rank: int, transfer: Transfer) -> bool:
-        if (rank, transfer) not in posted:
+    def waited(rank: int, transfer: Transfer) -> bool:
+        group = group_of.get((rank, transfer))
+        if group is None:
             raise PlanError(f"rank {rank} waits for {transfer} which it never posted")
-        if serialize:
-            advance_serialized()
-            return (rank, transfer) in completed
-        return counterpart(rank, transfer) is not None
+        if transport == GLOO or (rank, transfer) in blocks_host:
+            return group.done
+        model.stream_wait(rank, group)
+        return True
 
-    while True:
+    while any(pcs[r] < len(plans[r]) for r in range(p)):
         rounds += 1
         progressed = False
         for rank in range(p):
@@ -137,28 +141,10 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bo
             while pcs[rank] < len(plan):
                 action = plan[pcs[rank]]
                 if isinstance(action, Post):
-                    ops = [(t.peer_op(rank, p), t) for t in action.transfers]
-                    batch_units: dict[int, list[tuple[int, Transfer]]] = {}
-                    for op, transfer in ordering(ops, rank):
-                        peer = op.peer(rank, p)
-                        key = (rank, peer) if op.is_send else (peer, rank)
-                        side = channels[key].sends if op.is_send else channels[key].recvs
-                        if (rank, transfer) in posted:
-                            raise PlanError(f"rank {rank} posts {transfer} twice")
-                        posted[(rank, transfer)] = (key, len(side), op.is_send)
-                        side.append(_Endpoint(rank, transfer))
-                        messages += op.is_send
-                        fifo = (rank, peer)
-                        if batched and peer in batch_units:
-                            batch_units[peer].append((rank, transfer))
-                        else:
-                            batch_units[peer] = [(rank, transfer)]
-                            units[fifo].append(batch_units[peer])
-                        unit_of[(rank, transfer)] = (fifo, len(units[fifo]) - 1)
-                        if serialize:
-                            touched.update((fifo, fifo[::-1]))
+                    if not post(rank, action):
+                        break
                 elif isinstance(action, Wait):
-                    if not all(matched(rank, t) for t in action.transfers):
+                    if not all([waited(rank, t) for t in action.transfers]):
                         break
                     arrived[rank].update(action.transfers)
                 else:
@@ -168,31 +154,51 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, serialize: bo
                     computed[rank].append(action)
                 pcs[rank] += 1
                 progressed = True
-        if all(pcs[r] == len(plans[r]) for r in range(p)):
-            break
         if not progressed:
-            blocked = []
-            for rank in range(p):
-                if pcs[rank] < len(plans[rank]):
-                    action = plans[rank][pcs[rank]]
-                    waiting = [str(t) for t in action.transfers if not matched(rank, t)]
-                    blocked.append(f"rank {rank} waits for {', '.join(waiting)}")
-            raise PlanError("deadlock: " + "; ".join(blocked))
+            raise PlanError("deadlock: " + "; ".join(_blocked(plans, pcs, to_post, model, p,
+                                                               group_of)))
 
-    for (src, dst), channel in sorted(channels.items()):
-        if len(channel.sends) != len(channel.recvs):
-            raise PlanError(
-                f"channel {src}->{dst}: {len(channel.sends)} sends but {len(channel.recvs)} receives")
-        for index in range(len(channel.sends)):
-            matched(channel.sends[index].rank, channel.sends[index].transfer)
-    for (rank, transfer) in posted:
-        key, _, is_send = posted[(rank, transfer)]
-        if not is_send and transfer not in arrived[rank]:
+    problems = model.unmatched()
+    if problems:
+        raise PlanError("left unmatched: " + "; ".join(problems))
+    stuck = model.stuck()
+    if stuck:
+        raise PlanError("deadlock on the device (the host would hang at its next "
+                        "synchronisation): " + "; ".join(stuck))
+    for (rank, transfer), group in group_of.items():
+        if transfer.peer_op(rank, p).is_send is False and transfer not in arrived[rank]:
             raise PlanError(f"rank {rank} posted a receive of {transfer} and never waited for it")
     return SimulationReport(messages=messages, rounds=rounds, compute_order=computed)
 
 
-def check_spec(spec: PlanSpec, *, serialize: bool = False,
-               batched: bool = False) -> SimulationReport:
-    """Build every rank's plan for ``spec`` and simulate them together."""
-    return simulate(build_all_plans(spec), spec, serialize=serialize, batched=batched)
+def _model_call(post, rank, comm, ops):
+    try:
+        return post(rank, comm, ops)
+    except TransportError as error:
+        raise PlanError(str(error)) from None
+
+
+def _blocked(plans, pcs, to_post, model, p, group_of) -> list[str]:
+    blocked = []
+    for rank in range(p):
+        if pcs[rank] >= len(plans[rank]):
+            continue
+        action = plans[rank][pcs[rank]]
+        if isinstance(action, Post):
+            comm = to_post[rank][0].comm
+            blocked.append(f"rank {rank} waits in the meeting that creates its communicator "
+                           f"{comm[1:]} (torch creates it at the pair's first single operation)")
+            continue
+        waiting = [t for t in action.transfers if not group_of[(rank, t)].done]
+        detail = model.why_not_done(group_of[(rank, waiting[0])])
+        blocked.append(f"rank {rank} waits for {', '.join(map(str, waiting))} ({detail})")
+    return blocked
+
+
+def check_spec(spec: PlanSpec, *, transport: str = GLOO, batched: bool = True,
+               variable_seq_lengths: bool = False) -> SimulationReport:
+    """Build every rank's plan for ``spec`` and simulate them together, posted as this tree's
+    communicator posts them."""
+    return simulate(build_all_plans(spec), spec, transport=transport,
+                    posting=our_posting(batched=batched,
+                                        variable_seq_lengths=variable_seq_lengths))

@@ -1,21 +1,23 @@
 """Prove a pipeline layout before launching it: no crossed tensors, nothing unmatched, no deadlock.
 
     python -m megatron.core.pipeline_parallel.verify --pp 4 --vpp 2 --microbatches 8 \\
-        --variable-seq-lengths --batch-p2p-comm
+        --variable-seq-lengths --batch-p2p-comm --distributed-backend nccl
     python -m megatron.core.pipeline_parallel.verify --sweep
 
 For this tree's schedules the verifier drives every rank's real executor (``PlanExecutor``,
-the code training runs) in one process, on tiny stand-in model chunks, against a recording
-communicator with the semantics both gloo and NCCL guarantee: per directed channel the k-th
-send meets the k-th receive whatever they carry, and a send completes only when its receive
-was posted. Each match is checked (same kind, microbatch, stages; a shape the receiver
-accepts; the pipeline dtype); the run must end with every rank finished and nothing left
+the code training runs) in one process, on tiny stand-in model chunks, with a recording
+communicator that lays each call out on the wire exactly as ``P2PCommunicator`` does
+(``p2p_wire.plan_call``: order, headers, element counts, groups) and posts it into a model of
+the transport (``transport_model``: gloo, or NCCL with its communicators, streams and equal
+counts). Each pair that meets is checked (a header meets a header and a payload a payload, same
+kind, microbatch and stages, a shape the receiver accepts, the pipeline dtype, equal counts on
+NCCL); the run must end with every rank finished, every group completed and nothing left
 unmatched. The first violation is reported precisely.
 
 ``--schedule upstream`` checks a model of upstream Megatron-LM's calls instead
-(``upstream_plans``), with upstream's order (``--order upstream``) or this tree's rule (the
-upstream patch): the crossing at pipeline size 2 with interleaving and the deadlock with
-variable lengths show up there.
+(``upstream_plans``, posted as upstream posts them), with upstream's order (``--order
+upstream``) or this tree's rule (the upstream patch): the crossing at pipeline size 2 with
+interleaving and the deadlock with variable lengths show up there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,10 +35,13 @@ from megatron.core.enums import ModelType
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.pipeline_parallel import p2p_wire
 from megatron.core.pipeline_parallel.ordering import PeerOp, order_ops
-from megatron.core.pipeline_parallel.p2p_communicator import P2PMessage
+from megatron.core.pipeline_parallel.p2p_wire import P2PMessage, WireOp, WireRules
 from megatron.core.pipeline_parallel.plan_executor import PlanExecutor, ScheduleRun
 from megatron.core.pipeline_parallel.schedule_plan import PlanSpec, Transfer, build_plan, timetable
-from megatron.core.pipeline_parallel.simulate import PlanError, simulate
+from megatron.core.pipeline_parallel.simulate import PlanError, simulate, upstream_posting
+from megatron.core.pipeline_parallel.transport_model import (
+    BACKENDS, GLOO, NCCL, PIPELINE_COMM, ModelOp, TransportError, TransportModel,
+)
 from megatron.core.pipeline_parallel.upstream_plans import (
     build_all_upstream_plans, upstream_batched_order, upstream_ordering,
 )
@@ -69,102 +74,128 @@ class Layout:
         return f"pp={self.pp} vpp={self.vpp} m={self.microbatches} {lengths} {self.mode}{extra}"
 
 
-@dataclasses.dataclass
-class _Endpoint:
-    rank: int
-    op: PeerOp
-    message: P2PMessage
+@dataclasses.dataclass(frozen=True)
+class _Label:
+    """A wire operation as the model reports it."""
+
+    wire: WireOp
+
+    def __str__(self) -> str:
+        tag = self.wire.message.effective_tag()
+        return f"the header of {tag}" if self.wire.header else str(tag)
 
 
-class _Matcher:
-    """The channels of all ranks; checks every send against the receive it meets."""
+# (messages, pipeline rank, pipeline size, rules) -> a call's wire layout: (communicator,
+# operations) per group, in posting order.
+Planner = Callable[[Sequence[P2PMessage], int, int, WireRules],
+                   list[tuple[Hashable, list[WireOp]]]]
 
-    def __init__(self, pipeline_size: int, config: ModelParallelConfig):
-        self.size, self.config = pipeline_size, config
-        self.sends: dict[tuple[int, int], list[_Endpoint]] = {}
-        self.recvs: dict[tuple[int, int], list[_Endpoint]] = {}
-        self.events = 0
 
-    def post(self, rank: int, ordered: list[tuple[PeerOp, P2PMessage]]) -> dict[PeerOp, tuple]:
-        where = {}
-        for op, message in ordered:
-            peer = op.peer(rank, self.size)
-            key = (rank, peer) if op.is_send else (peer, rank)
-            side = (self.sends if op.is_send else self.recvs).setdefault(key, [])
-            where[op] = (key, len(side), op.is_send)
-            side.append(_Endpoint(rank, op, message))
-            self.events += 1
-        return where
-
-    def counterpart(self, key, index: int, is_send: bool) -> Optional[_Endpoint]:
-        other = (self.recvs if is_send else self.sends).get(key, [])
-        if index >= len(other):
-            return None
-        send = self.sends[key][index]
-        recv = self.recvs[key][index]
-        self._check(key, index, send, recv)
-        return recv if is_send else send
-
-    def _check(self, key, index: int, send: _Endpoint, recv: _Endpoint) -> None:
-        where = f"channel {key[0]}->{key[1]}, message #{index}"
-        if send.message.tag != recv.message.tag:
-            raise VerificationError(
-                f"crossed on {where}: rank {send.rank} sends {send.message.tag} but rank "
-                f"{recv.rank} receives it as {recv.message.tag}")
-        tensor = send.message.tensor
-        dtype = self.config.pipeline_dtype
-        if tensor.dtype != dtype:
-            raise VerificationError(f"{where}: {send.message.tag} has dtype {tensor.dtype}, "
-                                    f"pipeline_dtype is {dtype}")
-        variable = self.config.variable_seq_lengths and not recv.message.exact
-        try:
-            p2p_wire.check_shape(tensor.shape, recv.message.shape, variable=variable,
-                                 kind=send.op.kind,
-                                 ends=p2p_wire.Endpoints(f"rank {send.rank}", f"rank {recv.rank}"),
-                                 what=f"{send.message.tag} ")
-        except p2p_wire.PipelineShapeError as error:
-            raise VerificationError(f"{where}: {error}") from None
-
-    def unmatched(self) -> list[str]:
-        problems = []
-        for key in sorted(set(self.sends) | set(self.recvs)):
-            sends, recvs = self.sends.get(key, []), self.recvs.get(key, [])
-            if len(sends) != len(recvs):
-                longer = sends if len(sends) > len(recvs) else recvs
-                extra = longer[min(len(sends), len(recvs))]
-                kind = "send" if extra.op.is_send else "receive"
-                problems.append(f"channel {key[0]}->{key[1]}: {len(sends)} sends, {len(recvs)} "
-                                f"receives; first unmatched: {kind} of {extra.message.tag} on "
-                                f"rank {extra.rank}")
-        return problems
+def our_planner(messages: Sequence[P2PMessage], pipeline_rank: int, pipeline_size: int,
+                rules: WireRules, ordering: Callable = order_ops
+                ) -> list[tuple[Hashable, list[WireOp]]]:
+    """What ``P2PCommunicator`` posts: ``plan_call``'s groups, all on the pipeline group."""
+    del pipeline_size
+    return [(PIPELINE_COMM, group)
+            for group in p2p_wire.plan_call(messages, pipeline_rank, rules, ordering=ordering)]
 
 
 class _RecordedCall:
-    def __init__(self, matcher: _Matcher, where: dict[PeerOp, tuple]):
-        self._matcher, self._where = matcher, where
+    def __init__(self, communicator: "RecordingCommunicator", entries: dict):
+        self._communicator, self._entries = communicator, entries
 
     def poll(self, op: PeerOp) -> bool:
-        return self._matcher.counterpart(*self._where[op]) is not None
+        group, reads = self._entries[op]
+        model = self._communicator.model
+        if model.backend == GLOO or reads:
+            return group.done
+        model.stream_wait(self._communicator.pipeline_rank, group)
+        return True
 
     def wait(self, op: PeerOp) -> Optional[torch.Tensor]:
-        other = self._matcher.counterpart(*self._where[op])
-        self._matcher.events += 1
         if op.is_send:
             return None
-        return other.message.tensor.detach().clone().requires_grad_(True)
+        group, _ = self._entries[op]
+        payload = next(o for o in group.ops if o.label.wire.op is op and not o.label.wire.header)
+        sent = self._communicator.model.counterpart(payload)
+        if sent is None:
+            # NCCL: the host goes on before the data lands (its shape is known exactly here);
+            # the model checks the pair when the sender posts.
+            shape = payload.label.wire.message.shape
+            return torch.zeros(tuple(shape), dtype=torch.float32, requires_grad=True)
+        return sent.label.wire.message.tensor.detach().clone().requires_grad_(True)
 
 
 class RecordingCommunicator:
-    """Stands in for ``P2PCommunicator``: posts go to the matcher all ranks share."""
+    """Stands in for ``P2PCommunicator``: calls go into the transport model all ranks share."""
 
-    def __init__(self, matcher: _Matcher, pipeline_rank: int, ordering: Callable = order_ops):
-        self.matcher, self.pipeline_rank, self.ordering = matcher, pipeline_rank, ordering
-        self.pipeline_size = matcher.size
+    def __init__(self, model: TransportModel, pipeline_rank: int, pipeline_size: int,
+                 rules: WireRules, planner: Planner = our_planner):
+        self.model, self.rules, self.planner = model, rules, planner
+        self.pipeline_rank, self.pipeline_size = pipeline_rank, pipeline_size
         self.device = torch.device("cpu")
+        self._posting: Optional[tuple[list, list, dict]] = None  # the call being posted
 
-    def post(self, messages: list[P2PMessage]) -> _RecordedCall:
-        ordered = self.ordering(((m.op, m) for m in messages), self.pipeline_rank)
-        return _RecordedCall(self.matcher, self.matcher.post(self.pipeline_rank, list(ordered)))
+    def ready_to_post(self, messages: Sequence[P2PMessage]) -> bool:
+        """Post what the host can; False while it is held in a pair communicator's meeting."""
+        if self._posting is None:
+            for message in messages:
+                if message.op.is_send:
+                    peer = message.op.peer(self.pipeline_rank, self.pipeline_size)
+                    p2p_wire.check_send(message, variable=self.rules.variable(message),
+                                        pipeline_dtype=torch.float32,
+                                        ends=p2p_wire.Endpoints(f"rank {self.pipeline_rank}",
+                                                                f"rank {peer}"))
+            groups = self.planner(messages, self.pipeline_rank, self.pipeline_size, self.rules)
+            self._posting = (messages, groups, {})
+        _, groups, entries = self._posting
+        while groups:
+            comm, wires = groups[0]
+            if not self.model.joined(self.pipeline_rank, comm):
+                return False
+            ops = [ModelOp(w.op.is_send, w.op.peer(self.pipeline_rank, self.pipeline_size),
+                           _Label(w), w.numel) for w in wires]
+            try:
+                group = self.model.post(self.pipeline_rank, comm, ops)
+            except TransportError as error:
+                raise VerificationError(str(error)) from None
+            for wire in wires:
+                reads = wire.header and not wire.op.is_send
+                entries[wire.op] = (group, reads or entries.get(wire.op, (None, False))[1])
+            groups.pop(0)
+        return True
+
+    def post(self, messages: Sequence[P2PMessage]) -> _RecordedCall:
+        if self._posting is None or self._posting[0] is not messages:
+            self._posting = None
+            if not self.ready_to_post(messages):
+                raise VerificationError("posted while held in a communicator's meeting")
+        _, _, entries = self._posting
+        self._posting = None
+        return _RecordedCall(self, entries)
+
+
+def _checker(config: ModelParallelConfig, rules: WireRules) -> Callable:
+    def check(send: ModelOp, recv: ModelOp, where: str) -> None:
+        sent, expected = send.label.wire, recv.label.wire
+        if sent.header != expected.header or sent.message.effective_tag() != \
+                expected.message.effective_tag():
+            raise VerificationError(f"crossed on {where}: rank {send.rank} sends {send.label} "
+                                    f"but rank {recv.rank} receives it as {recv.label}")
+        if sent.header:
+            return
+        tensor = sent.message.tensor
+        if tensor.dtype != config.pipeline_dtype:
+            raise VerificationError(f"{where}: {send.label} has dtype {tensor.dtype}, "
+                                    f"pipeline_dtype is {config.pipeline_dtype}")
+        try:
+            p2p_wire.check_shape(tensor.shape, expected.message.shape,
+                                 variable=rules.variable(expected.message), kind=sent.op.kind,
+                                 ends=p2p_wire.Endpoints(f"rank {send.rank}", f"rank {recv.rank}"),
+                                 what=f"{send.label} ")
+        except p2p_wire.PipelineShapeError as error:
+            raise VerificationError(f"{where}: {error}") from None
+    return check
 
 
 class _ProbeChunk(torch.nn.Module):
@@ -201,15 +232,21 @@ class Report:
     seconds: float
 
 
-def verify(layout: Layout, *, ordering: Callable = order_ops) -> Report:
-    """Run every rank's executor for ``layout`` against the recording communicator."""
+def verify(layout: Layout, *, transport: str = NCCL, ordering: Callable = order_ops,
+           planner: Optional[Planner] = None) -> Report:
+    """Run every rank's executor for ``layout`` against a model of ``transport``."""
     started = time.perf_counter()
     spec = layout.spec()
     config = ModelParallelConfig(
         pipeline_model_parallel_size=layout.pp, pipeline_dtype=torch.float32,
         variable_seq_lengths=layout.variable_seq_lengths,
         batch_p2p_comm=layout.mode == "batched", overlap_p2p_comm=layout.mode == "overlapped")
-    matcher = _Matcher(layout.pp, config)
+    rules = WireRules(variable_seq_lengths=layout.variable_seq_lengths,
+                      equal_counts=transport == NCCL, batched=config.batch_p2p_comm)
+    model = TransportModel(transport, check=_checker(config, rules))
+    if planner is None:
+        planner = lambda messages, rank, size, rules: our_planner(  # noqa: E731
+            messages, rank, size, rules, ordering=ordering)
     table = timetable(spec)
     executors: dict[int, Iterator[Transfer]] = {}
     for rank in range(layout.pp):
@@ -218,12 +255,13 @@ def verify(layout: Layout, *, ordering: Callable = order_ops) -> Report:
             spec=spec, plan=build_plan(spec, rank, table), pipeline_rank=rank,
             forward_step_func=_probe_step,
             data_iterators=[iter(_microbatches(layout)) for _ in chunks], model_chunks=chunks,
-            config=config, communicator=RecordingCommunicator(matcher, rank, ordering),
+            config=config,
+            communicator=RecordingCommunicator(model, rank, layout.pp, rules, planner),
             tensor_shape=(_SEQ, _MBS, _HIDDEN))
         executors[rank] = PlanExecutor(run).steps()
     waiting: dict[int, Transfer] = {}
     while executors:
-        before = matcher.events
+        before = model.events
         for rank in list(executors):
             try:
                 waiting[rank] = next(executors[rank])
@@ -234,36 +272,45 @@ def verify(layout: Layout, *, ordering: Callable = order_ops) -> Report:
                 if isinstance(error, VerificationError):
                     raise
                 raise VerificationError(f"rank {rank}: {error}") from None
-        if executors and matcher.events == before:
+        if executors and model.events == before:
             blocked = "; ".join(f"rank {r} waits for {t}" for r, t in sorted(waiting.items()))
-            raise VerificationError(f"deadlock: {blocked}")
-    problems = matcher.unmatched()
+            device = model.stuck()
+            raise VerificationError(f"deadlock: {blocked}" +
+                                    (f" (on the device: {'; '.join(device)})" if device else ""))
+    problems = model.unmatched()
     if problems:
         raise VerificationError("left unmatched: " + "; ".join(problems))
-    return Report(layout, sum(len(s) for s in matcher.sends.values()),
-                  time.perf_counter() - started)
+    stuck = model.stuck()
+    if stuck:
+        raise VerificationError("deadlock on the device (the host would hang at its next "
+                                "synchronisation): " + "; ".join(stuck))
+    messages = sum(1 for g in model.groups for op in g.ops
+                   if op.is_send and not op.label.wire.header)
+    return Report(layout, messages, time.perf_counter() - started)
 
 
-def verify_upstream_model(layout: Layout, *, ordering: Callable) -> None:
+def verify_upstream_model(layout: Layout, *, ordering: Callable, transport: str = NCCL) -> None:
     """Simulate upstream's calls for ``layout``; raise VerificationError on a violation."""
     if layout.mode == "overlapped":
         raise ValueError("the model of upstream covers its blocking calls only")
     spec = layout.spec()
     plans = build_all_upstream_plans(spec, variable_seq_lengths=layout.variable_seq_lengths)
     try:
-        simulate(plans, spec, ordering=ordering)
+        simulate(plans, spec, transport=transport, ordering=ordering,
+                 posting=upstream_posting(batched=layout.mode == "batched"))
     except PlanError as error:
         raise VerificationError(str(error)) from None
 
 
-def _check(layout: Layout, schedule: str, order: str) -> str:
+def _check(layout: Layout, schedule: str, order: str, transport: str) -> str:
     try:
         if schedule == "ours":
-            verify(layout, ordering=order_ops if order == "ours" else upstream_batched_order)
+            verify(layout, transport=transport,
+                   ordering=order_ops if order == "ours" else upstream_batched_order)
         else:
             ordering = (order_ops if order == "ours"
                         else upstream_ordering(layout.mode == "batched"))
-            verify_upstream_model(layout, ordering=ordering)
+            verify_upstream_model(layout, ordering=ordering, transport=transport)
     except VerificationError as error:
         return str(error)
     return "ok"
@@ -301,11 +348,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="this tree's schedules, or a model of upstream Megatron-LM's calls")
     parser.add_argument("--order", choices=("ours", "upstream"), default="ours",
                         help="the p2p posting order inside a call")
+    parser.add_argument("--distributed-backend", choices=BACKENDS, default=NCCL,
+                        help="the transport to model (default nccl, what GPU jobs use)")
     parser.add_argument("--sweep", action="store_true", help="check a grid of layouts")
     args = parser.parse_args(argv)
 
     if args.sweep:
-        return _sweep(args.schedule, args.order)
+        return _sweep(args.schedule, args.order, args.distributed_backend)
     layout = Layout(args.pp, args.vpp, args.microbatches or 2 * args.pp,
                     args.variable_seq_lengths, args.mode, args.microbatch_group_size,
                     args.forward_only)
@@ -315,25 +364,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"invalid layout: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    verdict = _check(layout, args.schedule, args.order)
+    verdict = _check(layout, args.schedule, args.order, args.distributed_backend)
     took = time.perf_counter() - started
-    print(f"{layout} ({args.schedule} schedule, {args.order} order): {verdict} [{took:.2f}s]")
+    print(f"{layout} ({args.schedule} schedule, {args.order} order, "
+          f"{args.distributed_backend}): {verdict} [{took:.2f}s]")
     return 0 if verdict == "ok" else 1
 
 
-def _sweep(schedule: str, order: str) -> int:
+def _sweep(schedule: str, order: str, transport: str) -> int:
     rows, failures = 0, 0
     started = time.perf_counter()
     print(f"{'layout':44} result")
     for layout in sweep_layouts():
         if schedule == "upstream" and layout.mode == "overlapped":
             continue
-        verdict = _check(layout, schedule, order)
+        verdict = _check(layout, schedule, order, transport)
         rows += 1
         failures += verdict != "ok"
         print(f"{str(layout):44} {verdict if len(verdict) < 110 else verdict[:107] + '...'}")
     print(f"{rows} layouts, {failures} failing, {time.perf_counter() - started:.1f}s "
-          f"({schedule} schedule, {order} order)")
+          f"({schedule} schedule, {order} order, {transport})")
     return 1 if failures else 0
 
 

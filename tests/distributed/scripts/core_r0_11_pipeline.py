@@ -3,14 +3,17 @@
 Nothing here is specific to this tree: the imports, initialize_model_parallel, the config
 (with the hidden_size attribute 0.11's pipelined schedules read), chunks built under
 set_virtual_pipeline_model_parallel_rank with set_input_tensor, and get_forward_backward_func.
-Run with torchrun on gloo; every rank checks its gradients (and the last rank its losses)
-against the whole stack computed in one process, and exits non-zero on a mismatch.
+Run with torchrun on gloo (CPU tensors) or, with ``--backend nccl``, on the GPU of
+``LOCAL_RANK``; every rank checks its gradients (and the last rank its losses) against the
+whole stack computed in one process on the same device, and exits non-zero when the largest
+relative difference exceeds ``--tolerance``.
 
     torchrun --nproc_per_node 2 core_r0_11_pipeline.py --vpp 2 --variable-seq-lengths
 """
 
 import argparse
 import json
+import os
 from functools import partial
 
 import torch
@@ -53,13 +56,13 @@ class ModelChunk(torch.nn.Module):
         return h
 
 
-def data(num_microbatches, variable):
+def data(num_microbatches, variable, device):
     gen = torch.Generator().manual_seed(7)
     batches = []
     for _ in range(num_microbatches):
         s = int(torch.randint(2, SEQ + 1, (1,), generator=gen)) if variable else SEQ
-        batches.append((torch.randn(s, MBS, HIDDEN, generator=gen),
-                        torch.randn(s, MBS, HIDDEN, generator=gen)))
+        batches.append((torch.randn(s, MBS, HIDDEN, generator=gen).to(device),
+                        torch.randn(s, MBS, HIDDEN, generator=gen).to(device)))
     return batches
 
 
@@ -80,9 +83,18 @@ def main():
     parser.add_argument("--num-microbatches", type=int, default=8)
     parser.add_argument("--variable-seq-lengths", action="store_true")
     parser.add_argument("--no-batch-p2p-comm", action="store_true")
+    parser.add_argument("--overlap-p2p-comm", action="store_true",
+                        help="overlap_p2p_comm=True (which implies batch_p2p_comm=False)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--tolerance", type=float, default=1e-6,
+                        help="largest relative difference from the reference that passes")
     args = parser.parse_args()
 
-    torch.distributed.init_process_group(backend="gloo")
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.distributed.init_process_group(backend=args.backend)
     pp = torch.distributed.get_world_size()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
@@ -90,7 +102,8 @@ def main():
     config = ModelParallelConfig(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=args.vpp,
         pipeline_dtype=torch.float32, variable_seq_lengths=args.variable_seq_lengths,
-        batch_p2p_comm=not args.no_batch_p2p_comm)
+        batch_p2p_comm=not (args.no_batch_p2p_comm or args.overlap_p2p_comm),
+        overlap_p2p_comm=args.overlap_p2p_comm)
     config.hidden_size = HIDDEN
 
     rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -100,9 +113,10 @@ def main():
         if args.vpp is not None:
             parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
         stage = chunk * pp + rank
-        model.append(ModelChunk(config, stage * args.layers_per_chunk, args.layers_per_chunk))
+        model.append(ModelChunk(config, stage * args.layers_per_chunk,
+                                args.layers_per_chunk).to(device))
 
-    batches = data(args.num_microbatches, args.variable_seq_lengths)
+    batches = data(args.num_microbatches, args.variable_seq_lengths, device)
     forward_backward_func = get_forward_backward_func()
     losses = forward_backward_func(
         forward_step_func=forward_step_func,
@@ -113,7 +127,7 @@ def main():
 
     # The same stack in one process.
     total_layers = pp * num_chunks * args.layers_per_chunk
-    reference = torch.nn.ModuleList(Layer(i) for i in range(total_layers))
+    reference = torch.nn.ModuleList(Layer(i) for i in range(total_layers)).to(device)
     ref_losses = []
     for tokens, labels in batches:
         h = tokens
@@ -138,7 +152,7 @@ def main():
     print("RESULT " + json.dumps({"rank": torch.distributed.get_rank(), "worst": worst}),
           flush=True)
     torch.distributed.destroy_process_group()
-    raise SystemExit(0 if worst <= 1e-6 else 1)
+    raise SystemExit(0 if worst <= args.tolerance else 1)
 
 
 if __name__ == "__main__":

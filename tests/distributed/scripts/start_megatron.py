@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+import torch.distributed as dist
+
 from megatron.core import parallel_state
 from megatron.core.process_groups import ParallelLayout, created_groups
 from megatron.training import initialize
@@ -33,6 +35,11 @@ def inject_faults():
         initialize._select_device = no_device
 
 
+def _bound_device():
+    device = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    return None if device is None else str(device)
+
+
 def main():
     inject_faults()
     started = time.monotonic()
@@ -49,6 +56,8 @@ def main():
         "dp": parallel_state.get_data_parallel_world_size(),
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
         "groups": [[g.name, list(g.ranks)] for g in created_groups()],
+        # None unless init_process_group was given device_id (upstream #1027: it never is).
+        "bound_device": _bound_device(),
         "seconds": round(time.monotonic() - started, 2),
     }
     print("STARTED " + json.dumps(report), flush=True)
