@@ -20,15 +20,21 @@ import synthetic
 
 def overhead_rank(rank: int, world_size: int, num_chunks: int,
                   microbatch_counts: Sequence[int], scenarios: Sequence[stepping.Scenario],
-                  workload: synthetic.Workload, rounds: int,
-                  warmup: int) -> dict[int, dict[str, list[float]]]:
-    """Step times of every scenario at pipeline size ``world_size`` (same on every rank)."""
+                  workload: synthetic.Workload, rounds: int, warmup: int,
+                  probe_wire: bool = False) -> dict[int, dict[str, list]]:
+    """Step times of every scenario at pipeline size ``world_size`` (same on every rank);
+    with ``probe_wire``, per step the figures of ``p2p_probe.WireProbe`` as well."""
     del rank
+    probe = None
+    if probe_wire:
+        import p2p_probe
+
+        probe = p2p_probe.WireProbe.install()
     return stepping.measure_layouts(
         parallel_state=parallel_state, get_forward_backward_func=get_forward_backward_func,
         config_class=ModelParallelConfig, model_type=ModelType.encoder_or_decoder,
         pipeline_size=world_size, num_chunks=num_chunks, microbatch_counts=microbatch_counts,
-        scenarios=scenarios, workload=workload, rounds=rounds, warmup=warmup)
+        scenarios=scenarios, workload=workload, rounds=rounds, warmup=warmup, probe=probe)
 
 
 def traced_rank(rank: int, world_size: int, layouts: Sequence[tuple[int, int, str]],

@@ -1,4 +1,6 @@
-"""Starting this tree's gloo ranks for a benchmark (``tests.launcher`` with one setting more)."""
+"""Starting this tree's ranks for a benchmark (``tests.launcher`` with one setting more): gloo
+ranks on the CPU, or NCCL ranks that share GPU 0, each posing as a one-GPU host of its own
+(``tools/launch_nccl_ranks.py``'s environment, set by ``run_ranks(backend="nccl")``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from tests.launcher import run_ranks
 
 
 def run_ours(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any],
-             timeout_s: float) -> list[Any]:
+             timeout_s: float, backend: str = "gloo") -> list[Any]:
     """``run_ranks`` with one intra-op thread per rank, as upstream's ranks have.
 
     The ranks inherit this environment when they start, before torch is imported; the
@@ -18,4 +20,4 @@ def run_ours(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any],
     for the two cores with the p2p threads being measured (measured: ~0.1 s of CPU per step).
     """
     os.environ["OMP_NUM_THREADS"] = "1"
-    return run_ranks(fn, world_size, args=args, timeout_s=timeout_s)
+    return run_ranks(fn, world_size, args=args, timeout_s=timeout_s, backend=backend)

@@ -3,15 +3,17 @@
 An arm is one variant of a step (equal or variable lengths, a p2p mode, recorder on or off).
 The arms of a comparison run in turn, round after round, in an order that rotates each round,
 so slow phases of a shared, noisy machine hit every arm alike instead of whichever ran then.
-A step's time is the slowest rank's, all ranks starting together after a barrier. Like
-``synthetic``, this imports no ``megatron``: it serves this tree's ranks and upstream's.
+A step's time is the slowest rank's, all ranks starting together after a barrier (on NCCL
+ranks, with the device synchronised before the barrier and at the end of the step, so that the
+time covers the step's GPU work). A ``StepProbe`` adds figures per step (summed over the ranks).
+Like ``synthetic``, this imports no ``megatron``: it serves this tree's ranks and upstream's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,27 +46,79 @@ class Scenario:
         return f"{self.lengths} {self.mode}"
 
 
-def timed(step: Callable[[], None]) -> float:
-    """Seconds of the slowest rank for one step that all ranks start together."""
+class StepProbe(Protocol):
+    """Counts something of every timed step on one rank."""
+
+    def start(self) -> None:
+        """Right before the step."""
+
+    def stop(self) -> None:
+        """Right after the step, before the device is synchronised."""
+
+    def figures(self) -> dict[str, float]:
+        """This rank's figures of the step (after the device was synchronised)."""
+
+
+def _on_cuda() -> bool:
+    """Whether the default group is NCCL's: then the GPU does the step's work."""
+    return "nccl" in str(dist.get_backend())
+
+
+def timed_step(step: Callable[[], None],
+               probe: Optional[StepProbe] = None) -> dict[str, float]:
+    """One step that all ranks start together: ``step_s``, the slowest rank's seconds, and the
+    probe's figures, each summed over the ranks."""
+    cuda = _on_cuda()
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
+    if probe is not None:
+        probe.start()
     start = time.perf_counter()
     step()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    if probe is not None:
+        probe.stop()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    device = "cuda" if cuda else "cpu"
+    slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    result = {"step_s": float(slowest)}
+    if probe is not None:
+        figures = probe.figures()
+        names = sorted(figures)
+        summed = torch.tensor([float(figures[name]) for name in names], dtype=torch.float64,
+                              device=device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        result.update(zip(names, summed.tolist()))
+    return result
+
+
+def timed(step: Callable[[], None]) -> float:
+    """Seconds of the slowest rank for one step that all ranks start together."""
+    return timed_step(step)["step_s"]
+
+
+def interleaved_steps(arms: dict[str, Arm], *, rounds: int, warmup: int,
+                      probe: Optional[StepProbe] = None) -> dict[str, list[dict[str, float]]]:
+    """Per arm, the figures of ``rounds`` timed steps (``timed_step``, plus ``round``, which
+    seeds the step's lengths) after ``warmup`` untimed ones."""
+    names = list(arms)
+    steps: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for round_index in range(warmup + rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            figures = timed_step(arms[name](round_index), probe)
+            if round_index >= warmup:
+                steps[name].append({"round": round_index, **figures})
+    return steps
 
 
 def interleaved_times(arms: dict[str, Arm], *, rounds: int, warmup: int) -> dict[str, list[float]]:
     """Per arm, the step times of ``rounds`` rounds after ``warmup`` untimed ones."""
-    names = list(arms)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(warmup + rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            elapsed = timed(arms[name](round_index))
-            if round_index >= warmup:
-                times[name].append(elapsed)
-    return times
+    steps = interleaved_steps(arms, rounds=rounds, warmup=warmup)
+    return {name: [figures["step_s"] for figures in found] for name, found in steps.items()}
 
 
 def scenario_arm(*, forward_backward: Callable, config_class: type, model_type: Any,
@@ -78,15 +132,17 @@ def scenario_arm(*, forward_backward: Callable, config_class: type, model_type: 
     """
     config = synthetic.build_config(config_class, pipeline_size=pipeline_size,
                                     num_chunks=num_chunks, variable=scenario.variable,
-                                    mode=scenario.mode, hidden_size=workload.hidden_size)
+                                    mode=scenario.mode, hidden_size=workload.hidden_size,
+                                    dtype=workload.torch_dtype)
     chunks = [synthetic.SleepChunk(config, model_type, chunk * pipeline_size + pipeline_rank,
-                                   workload) for chunk in range(num_chunks)]
+                                   workload).to(workload.device) for chunk in range(num_chunks)]
     seq_length = workload.longest(num_microbatches, scenario.variable, seeds)
 
     def prepare(round_index: int) -> Callable[[], None]:
         lengths = workload.lengths(num_microbatches, scenario.variable, seed=round_index)
         inputs = synthetic.microbatch_inputs(lengths, workload.hidden_size,
-                                             holds_first_stage=pipeline_rank == 0)
+                                             holds_first_stage=pipeline_rank == 0,
+                                             dtype=workload.torch_dtype, device=workload.device)
         iterators = [iter(inputs) for _ in chunks]
         interleaved = num_chunks > 1
 
@@ -109,16 +165,21 @@ def measure_layouts(*, parallel_state: Any, get_forward_backward_func: Callable,
                     microbatch_counts: Sequence[int], scenarios: Sequence[Scenario],
                     workload: synthetic.Workload, rounds: int, warmup: int,
                     on_layout_done: Callable[[int, dict], None] = lambda m, times: None,
-                    ) -> dict[int, dict[str, list[float]]]:
+                    probe: Optional[StepProbe] = None) -> dict[int, dict[str, list]]:
     """Step times per microbatch count and scenario, through one megatron.core's schedules.
 
     ``parallel_state`` and the rest are passed in so that the same code drives this tree and
-    upstream's wheel; ``on_layout_done`` sees each layout's times as soon as they exist.
+    upstream's wheel; ``on_layout_done`` sees each layout's times as soon as they exist. With a
+    ``probe``, every step is the dict of ``interleaved_steps`` instead of its seconds.
     """
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=pipeline_size,
         virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None)
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if _on_cuda():
+        # Every rank takes part in the pipeline group's first NCCL operation, which sets up its
+        # communicator, rather than leaving that to the schedule's first batch_isend_irecv.
+        dist.barrier(group=parallel_state.get_pipeline_model_parallel_group())
     results: dict[int, dict[str, list[float]]] = {}
     for num_microbatches in microbatch_counts:
         seeds = range(warmup + rounds)
@@ -131,7 +192,11 @@ def measure_layouts(*, parallel_state: Any, get_forward_backward_func: Callable,
                 seeds=seeds)
             for scenario in scenarios
         }
-        results[num_microbatches] = interleaved_times(arms, rounds=rounds, warmup=warmup)
+        if probe is None:
+            results[num_microbatches] = interleaved_times(arms, rounds=rounds, warmup=warmup)
+        else:
+            results[num_microbatches] = interleaved_steps(arms, rounds=rounds, warmup=warmup,
+                                                          probe=probe)
         on_layout_done(num_microbatches, results[num_microbatches])
     parallel_state.destroy_model_parallel()
     return results

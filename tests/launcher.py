@@ -108,8 +108,11 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
             if backend == "nccl":
                 import torch
 
-                # NCCL sends finish on the GPU after the host moved on: a rank that exits
-                # before its last send landed leaves its peer waiting for ever.
+                # NCCL sends finish on the GPU after the host moved on, and a rank that exits
+                # breaks the communicator it shares with ranks still talking: every rank waits
+                # until all are done before it reports and tears down.
+                torch.cuda.synchronize()
+                dist.barrier()
                 torch.cuda.synchronize()
             conn.send(("ok", value))
         except BaseException:  # report everything, including SystemExit

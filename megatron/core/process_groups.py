@@ -6,7 +6,8 @@ global ranks are split into tensor (tp), context (cp), data (dp) and pipeline
 group of every kind through :func:`create_group` -- the only function in this
 tree that calls ``torch.distributed.new_group`` -- and returns the groups the
 calling rank is a member of as one :class:`ProcessGroups` object, which is
-then passed around explicitly.
+then passed around explicitly. With NCCL it also creates the pipeline group's communicator
+there, while every rank is present (see :func:`build_process_groups`).
 
 Rank numbering matches upstream Megatron-LM: the ``order`` string lists the
 parallel dimensions from the fastest-varying to the slowest-varying one, so
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple, Sequence
 
+import torch
 import torch.distributed as dist
 
 # Every dimension the order string must name. "ep" (expert parallelism) is
@@ -450,6 +452,7 @@ def build_process_groups(
     def ranks_of(kind: str) -> tuple[int, ...] | None:
         return own[kind][1] if kind in own else None
 
+    _create_pipeline_communicator(group_of("pp"))
     return ProcessGroups(
         layout=layout,
         rank=rank,
@@ -462,6 +465,25 @@ def build_process_groups(
         dp_gloo=group_of("dp_gloo"),
         dp_cp_gloo=group_of("dp_cp_gloo"),
     )
+
+
+def _create_pipeline_communicator(pp_group: Any | None) -> None:
+    """Have NCCL create the pipeline group's communicator now, with one collective.
+
+    torch creates a lazily initialised group's NCCL communicator at its first use, as a
+    meeting of all the group's ranks. Left to the pipeline p2p, a first batched call that not
+    every rank of the group makes -- a schedule whose ranks post their first operations at
+    different times, two stages talking while the others are done -- waits in that meeting
+    for ever. Here every rank of every pipeline group is present.
+    """
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return
+    if "nccl" not in str(dist.get_backend(pp_group)):
+        return
+    # (A gloo group standing in for NCCL in tests has no GPU to put the flag on.)
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    dist.all_reduce(torch.zeros(1, device=device), group=pp_group)
 
 
 def destroy_process_groups(groups: ProcessGroups) -> None:

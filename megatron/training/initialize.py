@@ -14,12 +14,11 @@ Order of events, and why:
 4. ranks compare their arguments, torch version and the exact list of process groups they
    are about to create; any difference is reported on every rank instead of a hang;
 5. ``torch.distributed`` is initialised, then every group is created through the single
-   creation function in ``megatron.core.process_groups``; the created sequence is compared
-   once more;
-6. with NCCL the pipeline group's communicator is created by one collective on all its
-   ranks, because a batched p2p call may not be the first use of a group unless every rank
-   takes part in it (``torch.distributed.batch_isend_irecv``);
-7. seeds.
+   creation function in ``megatron.core.process_groups`` (with NCCL the pipeline group's
+   communicator too, by one collective on all its ranks: a batched p2p call may not be the
+   first use of a group unless every rank takes part in it); the created sequence is
+   compared once more;
+6. seeds.
 
 Device binding. ``init_process_group`` is never given ``device_id``, on any torch version,
 including NGC builds that report ``2.4.0a0+...``:
@@ -33,9 +32,9 @@ including NGC builds that report ``2.4.0a0+...``:
 * PyTorch PR #129284 (likely first in 2.5) made members split eagerly too, but binding with
   subgroups kept hanging in later stacks (pytorch#148162; NeMo-RL on torch 2.10/2.11).
 * What binding buys -- NCCL errors reported at start-up instead of at first use -- is given
-  here by the warm-up collective of step 6 and the agreement checks of step 4, without the
-  risk. The device is still selected with ``torch.cuda.set_device(LOCAL_RANK)``, which is
-  all that NCCL needs to pick the right GPU.
+  here by the pipeline communicator's creation in step 5 and the agreement checks of step 4,
+  without the risk. The device is still selected with ``torch.cuda.set_device(LOCAL_RANK)``,
+  which is all that NCCL needs to pick the right GPU.
 """
 
 from __future__ import annotations
@@ -152,7 +151,7 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable],
     meeting = rendezvous.Rendezvous(store, args.rank, args.world_size, startup_timeout)
     meeting.wait_for_all()
     try:
-        device = _select_device(args)
+        _select_device(args)
     except rendezvous.StartupError as error:
         meeting.fail(str(error))
     meeting.agree("arguments and planned process groups", _startup_items(args, layout))
@@ -164,13 +163,10 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable],
     if parallel_state.model_parallel_is_initialized():
         raise rendezvous.StartupError("model parallel groups already exist: call "
                                       "parallel_state.destroy_model_parallel() first")
-    groups = parallel_state.initialize_model_parallel_from_layout(layout, timeout=training_timeout)
+    parallel_state.initialize_model_parallel_from_layout(layout, timeout=training_timeout)
     meeting.agree("created process groups",
                   [(f"process group #{i}", [g.name, list(g.ranks), g.backend])
                    for i, g in enumerate(created_groups())])
-    if args.distributed_backend == "nccl" and layout.pipeline_model_parallel_size > 1:
-        warm_up = torch.zeros(1, device=device)
-        dist.all_reduce(warm_up, group=groups.pp)
     if args.rank == 0:
         vpp = layout.virtual_pipeline_model_parallel_size or 1
         print(f"> initialized {args.distributed_backend} on {args.world_size} rank(s): "

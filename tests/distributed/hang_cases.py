@@ -58,7 +58,12 @@ def rank_zero_skips_its_first_activation_send(rank, world_size):
 
 
 def recorder_overhead(rank, world_size, repeats):
-    """Seconds per p2p call with the flight recorder on and off (same process, same calls)."""
+    """Seconds per p2p call with the flight recorder on and off (same process, same calls).
+
+    On and off alternate in short rounds and each side reports its median round, so that a
+    drift of the machine, or gloo switching between a fast and a slow regime, hits both alike.
+    """
+    import statistics
     import time
 
     from megatron.core import ModelParallelConfig
@@ -69,19 +74,21 @@ def recorder_overhead(rank, world_size, repeats):
     config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
     group = parallel_state.get_pipeline_model_parallel_group()
     tensor = torch.ones(16, 1, 64)
-    results = {}
-    for label, recorder in (("on", None), ("off", NullRecorder())):
-        comm = P2PCommunicator(group, config, recorder=recorder)
-        op = PeerOp.SEND_NEXT if rank == 0 else PeerOp.RECV_PREV
-        message = (P2PMessage(op, tensor=tensor) if rank == 0
-                   else P2PMessage(op, shape=tuple(tensor.shape)))
-        for _ in range(20):
-            comm.post([dataclasses.replace(message)]).wait_all()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            comm.post([dataclasses.replace(message)]).wait_all()
-        results[label] = (time.perf_counter() - start) / repeats
-    return results
+    op = PeerOp.SEND_NEXT if rank == 0 else PeerOp.RECV_PREV
+    message = (P2PMessage(op, tensor=tensor) if rank == 0
+               else P2PMessage(op, shape=tuple(tensor.shape)))
+    comms = {"on": P2PCommunicator(group, config),
+             "off": P2PCommunicator(group, config, recorder=NullRecorder())}
+    rounds: dict[str, list[float]] = {"on": [], "off": []}
+    per_round = 20
+    for index in range(repeats // per_round + 1):
+        for label, comm in comms.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                comm.post([dataclasses.replace(message)]).wait_all()
+            if index:  # the first round of each warms up
+                rounds[label].append((time.perf_counter() - start) / per_round)
+    return {label: statistics.median(times) for label, times in rounds.items()}
 
 
 def memory_growth_over_exchanges(rank, world_size, exchanges, megabytes):

@@ -188,3 +188,27 @@ def first_single_ops_in_a_cycle(rank: int, world_size: int) -> dict:
         error = _error_of(lambda: dist.isend(torch.ones(2), (rank + 1) % world_size))
         return {"error": error, "seconds": time.monotonic() - start}
 
+
+
+def first_batched_use_of_a_group_one_rank_skips(rank: int, world_size: int) -> dict:
+    """Ranks 0 and 1 exchange on a fresh 3-rank group that rank 2 never uses: NCCL's creation
+    of the group's communicator waits for rank 2 for ever. After one collective on the group
+    (what ``process_groups`` does for the pipeline group), the same exchange goes through."""
+    outcome = {}
+    for warmed in (False, True):
+        with nccl_like.installed(timeout_s=TIMEOUT_S):
+            group = dist.new_group([0, 1, 2])
+            if warmed:
+                dist.all_reduce(torch.zeros(1), group=group)
+            if rank == 2:
+                continue
+            peer, inbox = 1 - rank, torch.empty(2)
+            ops = [dist.P2POp(dist.isend, torch.ones(2), peer, group),
+                   dist.P2POp(dist.irecv, inbox, peer, group)]
+            try:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                outcome["warmed" if warmed else "cold"] = inbox.tolist()
+            except nccl_like.NcclLikeError as error:
+                outcome["warmed" if warmed else "cold"] = str(error)
+    return outcome

@@ -39,7 +39,9 @@ def on_nccl() -> bool:
 
 def device() -> torch.device:
     """Where this rank's pipeline tensors live: its GPU on NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if on_nccl() else torch.device("cpu")
+    if on_nccl() and torch.cuda.is_available():  # (NCCL emulated on gloo: the CPU)
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _send_shape(config: ModelParallelConfig) -> dict:
@@ -562,3 +564,13 @@ def unchecked_sends_of_combined_calls(rank: int, world_size: int) -> dict[str, O
                 "variable": _probe_variable(rank, Wire(True, True).config(2))}
     ps.destroy_model_parallel()
     return refusals
+
+
+def function_api_under_nccl_rules(rank: int, world_size: int) -> list[str]:
+    """``function_api`` with every group following NCCL's p2p rules (``tests.support.nccl_like``),
+    including the collective creation of a group's communicator at its first use: its second
+    pipeline group is used by ranks 0 and pp-1 only."""
+    from tests.support import nccl_like
+
+    with nccl_like.installed(timeout_s=20):
+        return function_api(rank, world_size)

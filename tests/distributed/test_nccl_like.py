@@ -11,7 +11,8 @@ from tests.distributed import nccl_like_cases as cases
 from tests.launcher import run_ranks
 
 SCENARIOS = ["equal_counts_deliver", "count_mismatch", "single_send_batched_recv",
-             "poison_until_waited", "modified_send_buffer", "first_single_ops_in_a_cycle"]
+             "poison_until_waited", "modified_send_buffer", "first_single_ops_in_a_cycle",
+             "first_batched_use_of_a_group_one_rank_skips"]
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,10 @@ def test_first_single_ops_in_a_cycle_fail_at_the_pair_communicator_meeting(outco
         assert f"pair communicator meeting of group '0' with rank {peer}" in outcome["error"]
         assert "never posted one towards" in outcome["error"]
         assert cases.TIMEOUT_S - 0.5 < outcome["seconds"] < cases.TIMEOUT_S + 10
+
+
+def test_a_groups_communicator_is_created_by_all_its_ranks(outcomes):
+    for rank, outcome in enumerate(outcomes["first_batched_use_of_a_group_one_rank_skips"][:2]):
+        assert "creating the NCCL communicator of group" in outcome["cold"], outcome
+        assert "rank(s) [2] never used the group" in outcome["cold"]
+        assert outcome["warmed"] == [1.0, 1.0]

@@ -28,6 +28,16 @@ def test_function_api_moves_each_tensor_to_the_right_stage(pp):
     assert_every_rank_checked(run_ranks(cases.function_api, pp, timeout_s=90), expected)
 
 
+def test_function_api_under_nccl_rules():
+    """pp 4 with NCCL's rules emulated: exact counts, and a pipeline group used by two of its
+    four ranks only (the wrap-around of the virtual round), whose communicator must therefore
+    exist before the first p2p call -- on a GPU this hung before process_groups created it."""
+    expected = ["attributes", "fixed/batched", "fixed/unbatched", "variable/batched",
+                "variable/unbatched", "virtual/fixed", "virtual/variable"]
+    assert_every_rank_checked(
+        run_ranks(cases.function_api_under_nccl_rules, 4, timeout_s=120), expected)
+
+
 def test_issue_1450_pp2_combined_call_does_not_cross():
     """Upstream #1450: at pp 2 the previous and the next stage are one peer, and upstream's
     batched order swaps the activation and the gradient of

@@ -22,9 +22,7 @@ import pytest
 import torch
 
 from tests.support.gpu import requires_nccl
-from tests.upstream.test_patches import (
-    CORRUPTION_THRESHOLD, _assert_matches_reference, _largest_error,
-)
+from tests.upstream.test_patches import _assert_matches_reference, assert_reproduces_issue_1450
 from tests.upstream.upstream_harness import PATCHES, apply_patch, launch, unpack_wheel
 
 pytestmark = [pytest.mark.cuda, pytest.mark.upstream, requires_nccl()]
@@ -67,23 +65,7 @@ def _run(paths, tmp_path, name, pipeline_size, scenarios):
 
 def test_unpatched_pp2_reproduces_issue_1450_over_nccl(installed, tmp_path):
     outcome = _run(installed[0], tmp_path, "unpatched-pp2", 2, ["equal", "variable"])
-
-    assert outcome.finished("equal"), f"equal lengths did not finish:\n{outcome.describe()}"
-    error = _largest_error(outcome, "equal", 2)
-    assert error > CORRUPTION_THRESHOLD, f"unpatched results match the reference ({error=})"
-    print(f"\n[0.11.0, NCCL] unpatched, equal lengths: silent corruption, largest error "
-          f"vs reference {error:.3g}")
-
-    if outcome.finished("variable"):
-        error = _largest_error(outcome, "variable", 2)
-        assert error > CORRUPTION_THRESHOLD, "unpatched variable lengths gave correct results"
-        observed = f"finished with largest error {error:.3g}"
-    else:
-        assert outcome.timed_out or any(code != 0 for code in outcome.exit_codes), \
-            outcome.describe()
-        observed = f"exit codes {outcome.exit_codes}, timed out: {outcome.timed_out}" + "".join(
-            f"\n    rank {rank}: {line}" for rank, line in enumerate(outcome.errors()))
-    print(f"[0.11.0, NCCL] unpatched, variable lengths: {observed}")
+    assert_reproduces_issue_1450(outcome, "[0.11.0, NCCL]")
 
 
 def test_patched_pp2_matches_reference_over_nccl(installed, tmp_path):

@@ -7,7 +7,10 @@ replaces ``isend``, ``irecv``, ``send``, ``recv`` and ``batch_isend_irecv`` (in
 ``torch.distributed`` and ``distributed_c10d``, where ``P2POp`` checks its op) and
 ``torch.distributed.get_backend`` with versions that enforce NCCL's rules in its lazy mode:
 
-* Communicators. Ops of ``batch_isend_irecv`` belong to the group's own communicator; a single
+* Communicators. Ops of ``batch_isend_irecv`` belong to the group's own communicator, which
+  NCCL creates at the group's first use, collectively: a rank's first batched op on a group
+  created after ``install`` that no collective (``all_reduce``, ``barrier``, ``broadcast``)
+  used yet blocks until every rank of the group got there too. A single
   op belongs to a 2-rank communicator of that group and that pair of ranks, and a rank's first
   single op towards a peer blocks until the peer also posts its first single op towards it
   (NCCL creates that communicator on first use, collectively). Sends and receives match in
@@ -27,8 +30,7 @@ per communicator) only once the peer's entry for k is known and equal, so gloo n
 wrong size and a send completes once its receive is posted, waited or not, as with NCCL.
 Every wait is bounded by ``timeout_s`` and fails with a message saying what it waited for.
 
-Not modelled: the collective first use of a group's own communicator, the serialisation of
-the ops of one communicator on its CUDA stream, and host-non-blocking waits (a wait here
+Not modelled: the serialisation of the ops of one communicator on its CUDA stream, and host-non-blocking waits (a wait here
 blocks until the transfer is done, where NCCL only orders the current stream after it).
 """
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import queue
 import threading
 import time
@@ -47,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 _P2P_NAMES = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
+_COLLECTIVE_NAMES = ("all_reduce", "barrier", "broadcast")
 _POLL_MIN_S, _POLL_MAX_S = 0.0002, 0.005
 _active: Optional["_Emulation"] = None
 _installs = 0  # counted per process, equal on all ranks: names the store keys of one install
@@ -210,6 +214,9 @@ class _Emulation:
         self.thread_store = self.store.clone()
         self.channels: dict = {}
         self.met: set = set()
+        # Groups whose own communicator this rank has joined; those that exist already are
+        # taken as created (their first collective is not seen from here).
+        self.created: set = set(c10d._world.pg_names.values())
         self.cond = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._progress, name="nccl_like", daemon=True)
@@ -222,10 +229,12 @@ class _Emulation:
                                        daemon=True)
         self.waiter.start()
         self.saved = {(module, name): getattr(module, name)
-                      for module in (dist, c10d) for name in _P2P_NAMES}
+                      for module in (dist, c10d) for name in _P2P_NAMES + _COLLECTIVE_NAMES}
         self.saved[(dist, "get_backend")] = dist.get_backend
         patched = dict(isend=self.isend, irecv=self.irecv, send=self.send, recv=self.recv,
                        batch_isend_irecv=self.batch_isend_irecv)
+        for name in _COLLECTIVE_NAMES:
+            patched[name] = self._collective(name)
         for module in (dist, c10d):
             for name, fn in patched.items():
                 setattr(module, name, fn)
@@ -279,12 +288,53 @@ class _Emulation:
             raise ValueError("All ops need to use the same group.")
         if c10d._rank_not_in_group(group):
             return []
+        self._create_communicator(group)
         sends = (self.isend, self.saved[(dist, "isend")])
         ops = [self._post(p.op in sends, p.tensor, p.peer, group, batched=True)
                for p in p2p_op_list]
         return [_Work(ops)]
 
+    def _collective(self, name: str):
+        original = self.saved[(dist, name)]
+        signature = inspect.signature(original)
+
+        def collective(*args, **kwargs):
+            # A collective is every rank's first use at once: it creates the communicator.
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            self._arrive(group or c10d._get_default_group())
+            return original(*args, **kwargs)
+        return collective
+
     # ---- posting ------------------------------------------------------------------------------
+
+    def _arrive(self, group) -> str:
+        name = group.group_name
+        if name not in self.created:
+            self.store.set(f"{self.prefix}/create/{name}/{self.rank}", "1")
+            self.created.add(name)
+        return name
+
+    def _create_communicator(self, group) -> None:
+        """Block like NCCL's lazy creation of a group's own communicator at its first use."""
+        if group.group_name in self.created:
+            return
+        name = self._arrive(group)
+        members = dist.get_process_group_ranks(group)
+        deadline, delay = time.monotonic() + self.timeout_s, _POLL_MIN_S
+        while True:
+            missing = [r for r in members
+                       if not self.store.check([f"{self.prefix}/create/{name}/{r}"])]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise NcclLikeError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:g}s creating the NCCL "
+                    f"communicator of group '{name}' (ranks {members}) at its first use, a "
+                    f"batch_isend_irecv: NCCL creates it collectively, and rank(s) {missing} "
+                    f"never used the group. Create it while every rank is present (one "
+                    f"collective on the group right after new_group)")
+            time.sleep(delay)
+            delay = min(2 * delay, _POLL_MAX_S)
 
     def _single(self, is_send, tensor, peer, group, group_peer):
         group = group or c10d._get_default_group()

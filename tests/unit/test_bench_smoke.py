@@ -38,6 +38,13 @@ def test_pipeline_overhead_prints_its_table_and_variable_equal_ratio():
     assert_ratio_line(output, "variable/equal beyond the imbalance (ours)")
 
 
+def test_nccl_p2p_runs_its_measurement_over_gloo_and_counts_the_wire():
+    # The NCCL figures need a GPU (README); on the CPU the same measurement runs over gloo.
+    output = run_bench("nccl_p2p.py", "--backend", "gloo", "--skip-upstream")
+    assert re.search(r"^ 2\s+variable\s+ours .* ok ", output, re.MULTILINE), output
+    assert "p2p time variable/equal (ours)" in output
+
+
 @pytest.mark.upstream
 def test_pipeline_overhead_against_upstream_prints_ours_upstream_ratio():
     output = run_bench("pipeline_overhead.py")

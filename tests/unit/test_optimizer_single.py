@@ -214,7 +214,9 @@ def test_clipping_matches_clip_grad_norm_and_norms_match_torch():
         assert success and zeros == 0.0
         assert grad_norm == pytest.approx(expected_norm, rel=1e-6)
         assert expected_norm > 0.05, "the test must actually clip"
-    assert max_diff(model, master) <= 1e-7
+    # Both clip by the same coefficient, computed in another summation order: one float32 ulp
+    # at weights near 1 (1.2e-7) on some CPUs.
+    assert max_diff(model, master) <= 2.5e-7
 
     grads = [torch.randn(5, 3), torch.randn(7)]
     for norm_type in (2.0, 3.0, float("inf")):

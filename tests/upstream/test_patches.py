@@ -139,14 +139,17 @@ def _run(paths, tmp_path, name, pipeline_size, scenarios) -> LaunchOutcome:
 def test_unpatched_pp2_reproduces_issue_1450(installed, tmp_path):
     outcome = _run(installed.unpatched, tmp_path, "unpatched-pp2", 2, ["equal", "variable"])
 
-    # Equal lengths: runs to the end without an error, with wrong losses and gradients.
+    assert_reproduces_issue_1450(outcome, f"[{installed.release.version}]")
+
+
+def assert_reproduces_issue_1450(outcome: LaunchOutcome, label: str) -> None:
+    """Unpatched pp 2: equal lengths run to the end with wrong losses and gradients; variable
+    lengths crash, hang (killed at the deadline) or give wrong results. Prints what it saw."""
     assert outcome.finished("equal"), f"equal lengths did not finish:\n{outcome.describe()}"
     error = _largest_error(outcome, "equal", 2)
     assert error > CORRUPTION_THRESHOLD, f"unpatched results match the reference ({error=})"
-    print(f"\n[{installed.release.version}] unpatched, equal lengths: silent corruption, "
-          f"largest error vs reference {error:.3g}")
-
-    # Variable lengths: crash, hang (killed at the deadline) or wrong results.
+    print(f"\n{label} unpatched, equal lengths: silent corruption, largest error vs reference "
+          f"{error:.3g}")
     if outcome.finished("variable"):
         error = _largest_error(outcome, "variable", 2)
         assert error > CORRUPTION_THRESHOLD, "unpatched variable lengths gave correct results"
@@ -157,7 +160,7 @@ def test_unpatched_pp2_reproduces_issue_1450(installed, tmp_path):
         observed = f"exit codes {outcome.exit_codes}, timed out: {outcome.timed_out}" + "".join(
             f"\n    rank {rank}: {line}" for rank, line in enumerate(outcome.errors())
         )
-    print(f"[{installed.release.version}] unpatched, variable lengths: {observed}")
+    print(f"{label} unpatched, variable lengths: {observed}")
 
 
 def test_patched_pp2_matches_reference(installed, tmp_path):

@@ -11,18 +11,22 @@ Why this cannot cross or deadlock:
   ranks: recv-prev, send-next, recv-next, send-prev). Activations are sent before gradients
   and received from the previous stage before the next one, on every rank, so at pipeline size
   2, where one channel carries both kinds, both ends agree (upstream #1450).
-* **No shape exchange.** With variable sequence lengths the shape travels as a small header
-  message right before the payload, in the same call (see ``p2p_wire``), and the receiver
-  posts the payload into a buffer sized for the longest allowed sequence. A variable-length
-  call is therefore the very same set of operations as a fixed-length one: no blocking round
-  trip before the payload, no second phase that the interleaved schedule's wrap-around could
-  wait on (upstream #5100), and no device synchronisation to learn shapes. The header of a
-  received tensor is read when that tensor is waited for, from a side stream on CUDA, so the
-  host waits for that receive only.
+* **No shape exchange.** With variable sequence lengths an activation's shape travels as a
+  small header message right before the payload, in the same group, and the receiver posts the
+  payload into a buffer sized for the longest allowed sequence (padded to it over NCCL, which
+  needs equal counts). A gradient needs neither: both of its ends know its exact shape (that of
+  the activation it belongs to). No blocking round trip before the payload, no second phase
+  that the interleaved schedule's wrap-around could wait on (upstream #5100), and no device
+  synchronisation to learn shapes: the header of a received activation is read when that
+  tensor is waited for, from a side stream on CUDA, so the host waits for that group only.
+* **One communicator, waits per stream.** Every group goes through ``batch_isend_irecv`` on
+  the pipeline group, so NCCL orders all of it on one communicator; a wait orders the stream
+  that consumes the data, and every tensor handed to NCCL stays referenced until then (see
+  ``p2p_communicator``).
 * **Schedules as data.** The schedules in ``schedules.py`` run plans from ``schedule_plan``,
   in which both ends of every pair of ranks post their operations in the same sequence and
-  every blocking call can complete once all ranks reached it; ``simulate`` checks this for
-  every layout without any process group.
+  every blocking call can complete once all ranks reached it; ``simulate`` and ``verify``
+  check this for every layout, against models of gloo and of NCCL, without any process group.
 
 Devices: receive buffers live on the current CUDA device when the pipeline group uses NCCL,
 on the CPU otherwise; no device-wide synchronisation is ever forced (``batch_p2p_sync`` is

@@ -158,13 +158,9 @@ def simulate(plans: Sequence[Sequence[Action]], spec: PlanSpec, *, transport: st
             raise PlanError("deadlock: " + "; ".join(_blocked(plans, pcs, to_post, model, p,
                                                                group_of)))
 
-    problems = model.unmatched()
+    problems = model.problems_at_the_end()
     if problems:
-        raise PlanError("left unmatched: " + "; ".join(problems))
-    stuck = model.stuck()
-    if stuck:
-        raise PlanError("deadlock on the device (the host would hang at its next "
-                        "synchronisation): " + "; ".join(stuck))
+        raise PlanError(problems)
     for (rank, transfer), group in group_of.items():
         if transfer.peer_op(rank, p).is_send is False and transfer not in arrived[rank]:
             raise PlanError(f"rank {rank} posted a receive of {transfer} and never waited for it")

@@ -240,6 +240,18 @@ class TransportModel:
                      if self._heads[key] < len(queue)]
         return [f"rank {g.rank} ({self.why_not_done(g)})" for g in stuck]
 
+    def problems_at_the_end(self) -> Optional[str]:
+        """Once every host finished: what was left unmatched, or groups that never completed
+        (the host would hang at its next synchronisation), as one report; None if nothing."""
+        unmatched = self.unmatched()
+        if unmatched:
+            return "left unmatched: " + "; ".join(unmatched)
+        stuck = self.stuck()
+        if stuck:
+            return ("deadlock on the device (the host would hang at its next synchronisation): "
+                    + "; ".join(stuck))
+        return None
+
     def unmatched(self) -> list[str]:
         problems = []
         for (comm, src, dst), (sends, recvs) in sorted(self._channels.items(),
