@@ -184,7 +184,8 @@ class PlanExecutor:
             else:
                 tensor = self.input_grads.pop(key)
                 input_shape = tuple(self.input_shapes.pop(key))
-                shape = input_shape if exact else shape
+                if exact:
+                    shape = input_shape
             return P2PMessage(op, tensor=tensor, shape=shape, exact=exact, what=what,
                               tag=_tag(transfer))
         if exact:

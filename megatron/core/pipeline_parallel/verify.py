@@ -160,8 +160,10 @@ class RecordingCommunicator:
             except TransportError as error:
                 raise VerificationError(str(error)) from None
             for wire in wires:
-                reads = wire.header and not wire.op.is_send
-                entries[wire.op] = (group, reads or entries.get(wire.op, (None, False))[1])
+                # The wait is for the payload's group (posted after the header's, if apart);
+                # a received header is read by the host, which blocks until it landed.
+                _, reads = entries.get(wire.op, (None, False))
+                entries[wire.op] = (group, reads or (wire.header and not wire.op.is_send))
             groups.pop(0)
         return True
 
