@@ -57,8 +57,8 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -303,26 +303,30 @@ def ratios(rows: list[Row]) -> dict:
     print("\nratios per case:")
     for pp in sorted({row.pp for row in rows}):
         for tree in TREES:
-            equal, varied = found.get((tree, pp, "equal")), found.get((tree, pp, "variable"))
-            if equal is None or varied is None:
-                continue
-            entry = {"tree": tree, "pp": pp, "bytes": varied.wire_bytes / equal.wire_bytes,
-                     "p2p_time": varied.p2p_s / equal.p2p_s if equal.p2p_s > 0 else None,
-                     "step": varied.step_s / equal.step_s}
-            result["variable/equal"].append(entry)
-            print(f"  {tree:8s} variable/equal, pp {pp}: bytes {entry['bytes']:.3f}, p2p time "
-                  f"{_fmt(entry['p2p_time'])}, step {entry['step']:.3f}")
+            entry = _ratio(found.get((tree, pp, "variable")), found.get((tree, pp, "equal")))
+            if entry is not None:
+                result["variable/equal"].append({"tree": tree, "pp": pp, **entry})
+                print(f"  {tree:8s} variable/equal, pp {pp}: {_describe(entry)}")
         for lengths in ("equal", "variable"):
-            mine, theirs = found.get(("ours", pp, lengths)), found.get(("upstream", pp, lengths))
-            if mine is None or theirs is None:
-                continue
-            entry = {"pp": pp, "lengths": lengths, "bytes": mine.wire_bytes / theirs.wire_bytes,
-                     "p2p_time": mine.p2p_s / theirs.p2p_s if theirs.p2p_s > 0 else None,
-                     "step": mine.step_s / theirs.step_s}
-            result["ours/upstream"].append(entry)
-            print(f"  ours/upstream, pp {pp}, {lengths} lengths: bytes {entry['bytes']:.3f}, "
-                  f"p2p time {_fmt(entry['p2p_time'])}, step {entry['step']:.3f}")
+            entry = _ratio(found.get(("ours", pp, lengths)), found.get(("upstream", pp, lengths)))
+            if entry is not None:
+                result["ours/upstream"].append({"pp": pp, "lengths": lengths, **entry})
+                print(f"  ours/upstream, pp {pp}, {lengths} lengths: {_describe(entry)}")
     return result
+
+
+def _ratio(row, base) -> Optional[dict]:
+    """Bytes, p2p time and step of ``row`` over ``base`` (None when either is missing)."""
+    if row is None or base is None:
+        return None
+    return {"bytes": row.wire_bytes / base.wire_bytes,
+            "p2p_time": row.p2p_s / base.p2p_s if base.p2p_s > 0 else None,
+            "step": row.step_s / base.step_s}
+
+
+def _describe(entry: dict) -> str:
+    return (f"bytes {entry['bytes']:.3f}, p2p time {_fmt(entry['p2p_time'])}, "
+            f"step {entry['step']:.3f}")
 
 
 def _fmt(value) -> str:
@@ -367,25 +371,12 @@ def main(argv=None) -> int:
 
     steps: dict = {}  # (tree, pp, lengths) -> per-step figures, pooled over the passes
     with tempfile.TemporaryDirectory(prefix="bench-nccl-p2p-") as workdir:
-        trees, installed = ["ours"], None
-        if not args.skip_upstream:
-            started = time.perf_counter()
-            installed = upstream_side.install(Path(workdir), wheel)
-            trees.append("upstream")
-            source = wheel.name if wheel is not None else "the package registry"
-            print(f"installed megatron-core {upstream_side.VERSION} from {source} with "
-                  f"patches/{upstream_side.PATCH_BASE} in {time.perf_counter() - started:.0f}s",
-                  flush=True)
-        for pass_index in range(args.passes):
-            for tree in trees if pass_index % 2 == 0 else trees[::-1]:
-                for pp in args.pipeline_sizes:
-                    started = time.perf_counter()
-                    found, state = measure(tree, pp, args, workload, installed)
-                    for name, figures in found.items():
-                        lengths = name.split()[0]
-                        steps.setdefault((tree, pp, lengths), []).extend(figures)
-                    print(f"pass {pass_index + 1}, pp {pp}: {tree} {state} in "
-                          f"{time.perf_counter() - started:.0f}s", flush=True)
+        for tree, pp, found in upstream_side.alternating_launches(
+                Path(workdir), skip_upstream=args.skip_upstream, passes=args.passes,
+                pipeline_sizes=args.pipeline_sizes, wheel=wheel,
+                measure=lambda tree, pp, installed: measure(tree, pp, args, workload, installed)):
+            for name, figures in found.items():
+                steps.setdefault((tree, pp, name.split()[0]), []).extend(figures)
 
     rows = [summarise(tree, pp, lengths, steps[tree, pp, lengths], workload, args)
             for pp in args.pipeline_sizes for lengths in ("equal", "variable") for tree in TREES

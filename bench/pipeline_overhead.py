@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this tree's megatron and tests
@@ -95,26 +94,14 @@ def main(argv=None) -> int:
     # times[tree][pp][m][scenario name]: step times pooled over the passes
     times: dict[str, dict] = {"ours": {}, "upstream": {}}
     with tempfile.TemporaryDirectory(prefix="bench-upstream-") as workdir:
-        trees, installed = ["ours"], None
-        if not args.skip_upstream:
-            started = time.perf_counter()
-            installed = upstream_side.install(Path(workdir))
-            trees.append("upstream")
-            print(f"installed megatron-core {upstream_side.VERSION} with "
-                  f"patches/{upstream_side.PATCH_BASE} in {time.perf_counter() - started:.0f}s",
-                  flush=True)
-        for pass_index in range(args.passes):
-            # ours, upstream, then upstream, ours: a slow drift of the machine cancels out
-            for tree in trees if pass_index % 2 == 0 else trees[::-1]:
-                for pp in args.pipeline_sizes:
-                    started = time.perf_counter()
-                    found, state = measure(tree, pp, args, workload, installed)
-                    for m, by_scenario in found.items():
-                        for name, steps in by_scenario.items():
-                            times[tree].setdefault(pp, {}).setdefault(m, {}).setdefault(
-                                name, []).extend(steps)
-                    print(f"pass {pass_index + 1}, pp {pp}: {tree} {state} in "
-                          f"{time.perf_counter() - started:.0f}s", flush=True)
+        for tree, pp, found in upstream_side.alternating_launches(
+                Path(workdir), skip_upstream=args.skip_upstream, passes=args.passes,
+                pipeline_sizes=args.pipeline_sizes,
+                measure=lambda tree, pp, installed: measure(tree, pp, args, workload, installed)):
+            for m, by_scenario in found.items():
+                for name, steps in by_scenario.items():
+                    times[tree].setdefault(pp, {}).setdefault(m, {}).setdefault(
+                        name, []).extend(steps)
     print_ratios(args, *print_table(args, workload, times))
     return 0
 

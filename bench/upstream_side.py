@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import stepping
 import synthetic
@@ -25,6 +26,30 @@ from tests.upstream.upstream_harness import (
 VERSION = "0.11.0"
 PATCH_BASE = "core_r0.11.0"
 RANK_SCRIPT = Path(__file__).with_name("upstream_pipeline_rank.py")
+
+
+def alternating_launches(workdir: Path, *, skip_upstream: bool, passes: int,
+                         pipeline_sizes: Sequence[int], measure: Callable,
+                         wheel: Optional[Path] = None) -> Iterator[tuple[str, int, object]]:
+    """Install upstream (unless skipped), then ``measure(tree, pp, installed)`` every tree at
+    every pipeline size, ``passes`` times: ours, upstream, then upstream, ours, so that a slow
+    drift of the machine cancels out. Yields (tree, pp, what measure found)."""
+    trees, installed = ["ours"], None
+    if not skip_upstream:
+        started = time.perf_counter()
+        installed = install(workdir, wheel)
+        trees.append("upstream")
+        source = wheel.name if wheel is not None else "the package registry"
+        print(f"installed megatron-core {VERSION} from {source} with patches/{PATCH_BASE} in "
+              f"{time.perf_counter() - started:.0f}s", flush=True)
+    for pass_index in range(passes):
+        for tree in trees if pass_index % 2 == 0 else trees[::-1]:
+            for pp in pipeline_sizes:
+                started = time.perf_counter()
+                found, state = measure(tree, pp, installed)
+                print(f"pass {pass_index + 1}, pp {pp}: {tree} {state} in "
+                      f"{time.perf_counter() - started:.0f}s", flush=True)
+                yield tree, pp, found
 
 
 def install(workdir: Path, wheel: Optional[Path] = None) -> Path:

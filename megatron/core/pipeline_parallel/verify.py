@@ -130,8 +130,10 @@ class RecordingCommunicator:
     """Stands in for ``P2PCommunicator``: calls go into the transport model all ranks share."""
 
     def __init__(self, model: TransportModel, pipeline_rank: int, pipeline_size: int,
-                 rules: WireRules, planner: Planner = our_planner):
+                 rules: WireRules, planner: Planner = our_planner,
+                 pipeline_dtype: torch.dtype = torch.float32):
         self.model, self.rules, self.planner = model, rules, planner
+        self.pipeline_dtype = pipeline_dtype
         self.pipeline_rank, self.pipeline_size = pipeline_rank, pipeline_size
         self.device = torch.device("cpu")
         self._posting: Optional[tuple[list, list, dict]] = None  # the call being posted
@@ -143,7 +145,7 @@ class RecordingCommunicator:
                 if message.op.is_send:
                     peer = message.op.peer(self.pipeline_rank, self.pipeline_size)
                     p2p_wire.check_send(message, variable=self.rules.variable(message),
-                                        pipeline_dtype=torch.float32,
+                                        pipeline_dtype=self.pipeline_dtype,
                                         ends=p2p_wire.Endpoints(f"rank {self.pipeline_rank}",
                                                                 f"rank {peer}"))
             groups = self.planner(messages, self.pipeline_rank, self.pipeline_size, self.rules)
@@ -258,7 +260,8 @@ def verify(layout: Layout, *, transport: str = NCCL, ordering: Callable = order_
             forward_step_func=_probe_step,
             data_iterators=[iter(_microbatches(layout)) for _ in chunks], model_chunks=chunks,
             config=config,
-            communicator=RecordingCommunicator(model, rank, layout.pp, rules, planner),
+            communicator=RecordingCommunicator(model, rank, layout.pp, rules, planner,
+                                               config.pipeline_dtype),
             tensor_shape=(_SEQ, _MBS, _HIDDEN))
         executors[rank] = PlanExecutor(run).steps()
     waiting: dict[int, Transfer] = {}
