@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron.core import parallel_state
+from megatron.training.checkpoint.model_tensors import (
+    VOCAB_PARALLEL,
+    join_shape,
+    join_shards,
+    model_tensors,
+    my_shard,
+)
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -43,7 +49,6 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "data_parallel_size",
                "use_distributed_optimizer", "fp16", "bf16")
-_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 class CheckpointError(RuntimeError):
@@ -59,66 +64,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def _global_name(model: torch.nn.Module, name: str) -> str:
-    if name.startswith("decoder.layers."):
-        parts = name.split(".")
-        parts[2] = str(model.decoder.global_layer_indices[int(parts[2])])
-        return ".".join(parts)
-    return name
-
-
-def _tp_group():
-    return parallel_state.get_tensor_model_parallel_group()
-
-
-def _join_shards(tensor: torch.Tensor, param) -> torch.Tensor:
-    """The whole tensor of a tensor-parallel shard (collective over the TP group)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    group = _tp_group()
-    size = dist.get_world_size(group)
-    if size == 1:
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    dim, stride = param.partition_dim, param.partition_stride
-    blocks = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([blocks[r][s] for s in range(stride) for r in range(size)], dim=dim)
-
-
-def _my_shard(whole: torch.Tensor, param) -> torch.Tensor:
-    """This rank's part of ``whole`` (the inverse of ``_join_shards``)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return whole
-    group = _tp_group()
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    dim, stride = param.partition_dim, param.partition_stride
-    blocks = whole.chunk(stride * size, dim=dim)
-    return torch.cat([blocks[s * size + rank] for s in range(stride)], dim=dim)
-
-
-def _model_tensors(model_chunks) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(layout-free name, this rank's tensor, its parameter) for every saved model tensor."""
-    entries = []
-    for chunk in model_chunks:
-        model = _unwrap(chunk)
-        params = dict(model.named_parameters())
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if not torch.is_tensor(tensor) or name.endswith("_extra_state"):
-                continue
-            param = params.get(name, tensor)
-            if name == "output_layer.weight" and getattr(param, "shared", False):
-                name = "embedding.word_embeddings.weight"  # the last stage's tied copy
-            entries.append((_global_name(model, name), tensor, param))
-    return entries
-
-
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     consumed_samples: int) -> None:
     args = get_args()
@@ -132,8 +77,8 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         os.makedirs(os.path.join(partial, "rng"))
     _barrier()
 
-    state = {name: _join_shards(tensor.detach(), param).cpu()
-             for name, tensor, param in _model_tensors(model)}
+    state = {name: join_shards(tensor.detach(), param).cpu()
+             for name, tensor, param in model_tensors(model)}
     dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
     if not args.no_save_optim:
         torch.save(optimizer.state_dict(), os.path.join(partial, "optimizer", f"rank_{rank:05d}.pt"))
@@ -250,14 +195,14 @@ def _load_model(model, path: str) -> None:
     except Exception as error:  # missing or unreadable metadata
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read the "
                               f"model's metadata ({str(error).splitlines()[0]})") from None
-    entries = _model_tensors(model)
+    entries = model_tensors(model)
     targets = {}
     for name, tensor, param in entries:
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} has no weights for {name}; it was saved "
                                   f"from another model")
-        shape, expected = list(saved[name].size), list(_join_shape(tensor, param))
-        vocab_padding_only = name in _VOCAB_PARALLEL and shape[1:] == expected[1:]
+        shape, expected = list(saved[name].size), list(join_shape(tensor, param))
+        vocab_padding_only = name in VOCAB_PARALLEL and shape[1:] == expected[1:]
         if shape != expected and not vocab_padding_only:
             raise CheckpointError(f"checkpoint {path} holds {name} with shape {shape}, this "
                                   f"model expects {expected}")
@@ -270,18 +215,10 @@ def _load_model(model, path: str) -> None:
     with torch.no_grad():
         for name, tensor, param in entries:
             whole = targets[name]
-            if whole.shape != _join_shape(tensor, param):
+            if whole.shape != join_shape(tensor, param):
                 # Vocabulary padded to another size: keep this model's rows past the common ones.
-                current = _join_shards(tensor.detach(), param).cpu()
+                current = join_shards(tensor.detach(), param).cpu()
                 rows = min(current.shape[0], whole.shape[0])
                 current[:rows] = whole[:rows]
                 whole = current
-            tensor.copy_(_my_shard(whole, param).to(tensor.device))
-
-
-def _join_shape(tensor: torch.Tensor, param) -> torch.Size:
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor.shape
-    shape = list(tensor.shape)
-    shape[param.partition_dim] *= dist.get_world_size(_tp_group())
-    return torch.Size(shape)
+            tensor.copy_(my_shard(whole, param).to(tensor.device))

@@ -81,8 +81,12 @@ def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> O
                                 parallel_state.get_data_parallel_rank(),
                                 parallel_state.get_data_parallel_world_size())
     multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    # Each iterator the loader makes draws a worker seed; from the global generator that draw
+    # would shift dropout's stream, and a resumed run (loaders made after the checkpoint's
+    # generator states are restored) would draw other masks than an uninterrupted one.
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        generator=torch.Generator().manual_seed(args.seed),
         collate_fn=lambda samples: collate(samples, pad_id=pad_id, multiple_of=multiple),
         persistent_workers=args.num_workers > 0)
 
