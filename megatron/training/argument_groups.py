@@ -187,6 +187,9 @@ class LoggingArgs:
     log_interval: int = option(100, "iterations between log lines")
     log_throughput: bool = option(False, "log TFLOP/s per GPU")
     tensorboard_dir: Optional[str] = option(None, "write TensorBoard scalars here (last rank)")
+    wandb_project: str = option("", "log the same scalars to this wandb project (last rank)")
+    wandb_exp_name: str = option("", "wandb run name (needed with --wandb-project)")
+    wandb_save_dir: str = option("", "local wandb directory (default: <--save>/wandb)")
     eval_interval: int = option(1000, "iterations between evaluations")
     eval_iters: int = option(100, "iterations per evaluation")
 

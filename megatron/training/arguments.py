@@ -182,6 +182,8 @@ def validate_training_args(args: argparse.Namespace) -> None:
     if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):
         raise ArgumentError("pretraining needs --tokenizer-type (or --mock-data with "
                             "--vocab-size)")
+    if args.wandb_project and not args.wandb_exp_name:
+        raise ArgumentError("--wandb-project needs --wandb-exp-name")
 
 
 def agreement_items(args: argparse.Namespace) -> list[tuple[str, Any]]:

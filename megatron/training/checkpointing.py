@@ -5,16 +5,22 @@ Layout of ``--save`` (upstream's names):
     latest_checkpointed_iteration.txt     the last complete checkpoint's iteration, written last
     iter_0000100/
         model/                            torch.distributed.checkpoint: every weight once, whole
-        common.pt                         iteration, consumed samples, scheduler, arguments
-        optimizer/rank_00003.pt           each rank's optimizer state (this layout only)
+        optimizer/                        torch.distributed.checkpoint: optimizer state, whole
+        common.pt                         iteration, consumed samples, scheduler, arguments,
+                                          parameter-group settings, loss scaler
         rng/rank_00003.pt                 each rank's RNG states
+        manifest.json                     every file above with its size and CRC-32
 
-Model weights are stored whole under layout-free names (layer indices global, tensor-parallel
-shards joined), so a checkpoint saved at one tp x pp x vpp layout loads at another; where the
-vocabulary is padded to another size there, the rows both have in common are loaded. Optimizer state is per rank and needs the same layout (or ``--no-load-optim``
-/ ``--finetune``). A checkpoint is written into ``iter_N.partial`` and renamed only once every
-rank finished, and the tracker file is replaced atomically after that: a crash mid-save leaves
-the previous checkpoint untouched.
+Model weights and optimizer state are stored whole under layout-free names (layer indices
+global, tensor-parallel shards joined; ``checkpoint.optimizer_state``), so a checkpoint saved at
+one tp x pp x vpp x dp layout resumes at another, optimizer included; where the vocabulary is
+padded to another size there, the rows both have in common are loaded. RNG states are per rank
+and restored at the same layout only. A checkpoint is written into ``iter_N.partial`` and
+renamed only once every rank finished, and the tracker file is replaced atomically after that: a crash mid-save leaves
+the previous checkpoint untouched (the next save removes what it left). A save that fails (a
+full disk) ends every rank with one line naming the directory. Loading checks every file
+against the manifest first (``checkpoint.integrity``) and names the first missing, truncated or
+corrupt one.
 """
 
 from __future__ import annotations
@@ -28,7 +34,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint.optimizer_state import (
+    OptimizerStateError,
+    apply_group_settings,
+    group_settings,
+    load_optimizer_state,
+    optimizer_state_to_save,
+)
 from megatron.training.checkpoint.model_tensors import (
     VOCAB_PARALLEL,
     join_shape,
@@ -40,7 +56,8 @@ from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
+# 2: optimizer state under layout-free names (1: per-rank files, loadable at the same layout).
+FORMAT_VERSION = 2
 # Arguments that fix the shape of the model: a checkpoint only loads where they agree.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_query_groups", "kv_channels", "normalization", "swiglu",
@@ -49,10 +66,6 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "data_parallel_size",
                "use_distributed_optimizer", "fp16", "bf16")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded here; the message says why and what to do."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -66,31 +79,82 @@ def _barrier() -> None:
 
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     consumed_samples: int) -> None:
+    """Write checkpoint ``iteration`` under --save. Where writing fails (a full disk), every rank
+    that sees it raises a one-line CheckpointError and the tracker keeps naming the last
+    complete checkpoint."""
+    args = get_args()
+    try:
+        _write_checkpoint(iteration, model, optimizer, opt_param_scheduler, consumed_samples)
+    except (OSError, RuntimeError, CheckpointException) as error:
+        partial = checkpoint_dir(args.save, iteration) + ".partial"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # give the space back
+        raise CheckpointError(
+            f"cannot write checkpoint {partial}: the disk is full or the write failed "
+            f"({_first_cause(error)}; {_free_space(args.save)}); "
+            f"{os.path.join(args.save, TRACKER)} still names the last complete checkpoint"
+        ) from None
+
+
+def _first_cause(error: BaseException) -> str:
+    """One line on why a write failed; DCP wraps each rank's exception in its own type."""
+    if isinstance(error, CheckpointException):
+        rank = min(error.failures)
+        return f"rank {rank}: {_first_cause(error.failures[rank][0])}"
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _free_space(root: str) -> str:
+    try:
+        return f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def _remove_partials(root: str) -> None:
+    """Remove what saves that were interrupted (a crash, a kill) left behind."""
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if name.startswith("iter_") and name.endswith(".partial"):
+            print(f"removing {os.path.join(root, name)}, left by an interrupted save", flush=True)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _write_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
+                      consumed_samples: int) -> None:
     args = get_args()
     final = checkpoint_dir(args.save, iteration)
     partial = final + ".partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(os.path.join(partial, "optimizer"))
+        _remove_partials(args.save)
         os.makedirs(os.path.join(partial, "rng"))
     _barrier()
 
     state = {name: join_shards(tensor.detach(), param).cpu()
              for name, tensor, param in model_tensors(model)}
     dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
+    optimizer_common = {}
     if not args.no_save_optim:
-        torch.save(optimizer.state_dict(), os.path.join(partial, "optimizer", f"rank_{rank:05d}.pt"))
+        dcp.save(optimizer_state_to_save(model, optimizer),
+                 checkpoint_id=os.path.join(partial, "optimizer"))
+        optimizer_common["param_group_settings"] = group_settings(optimizer)
+        if getattr(optimizer, "grad_scaler", None) is not None:
+            optimizer_common["grad_scaler"] = optimizer.grad_scaler.state_dict()
     if not args.no_save_rng:
         torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
         torch.save({"format_version": FORMAT_VERSION, "iteration": iteration,
                     "consumed_samples": consumed_samples,
                     "opt_param_scheduler": opt_param_scheduler.state_dict(),
+                    **optimizer_common,
                     "args": {k: v for k, v in vars(args).items() if _plain(v)}},
                    os.path.join(partial, "common.pt"))
     _barrier()
+    integrity.write_manifest(partial)
     if rank == 0:
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -157,35 +221,59 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         print_rank_0(f"WARNING: no {TRACKER} in {args.load}: starting from scratch")
         return 0, 0
     path = checkpoint_dir(args.load, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{os.path.join(args.load, TRACKER)} names iteration {iteration}, "
+                              f"but {path} does not exist")
+    if not integrity.verify_checkpoint(path):
+        print_rank_0(f"WARNING: checkpoint {path} has no {integrity.MANIFEST} (saved before "
+                     f"manifests were written): its files are not checked")
+    common_file = os.path.join(path, "common.pt")
     try:
-        common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
-    except (OSError, RuntimeError, EOFError) as error:
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read "
-                              f"common.pt ({error})") from None
+        common = torch.load(common_file, weights_only=False)
+    except Exception as error:  # a damaged file fails in zip, pickle or torch's own types
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CheckpointError(f"checkpoint file {common_file} is unreadable or corrupt "
+                              f"({type(error).__name__}: {reason})") from None
     same_layout = _check_compatible(common["args"], args, path)
     _load_model(model, path)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    optimizer.reload_model_params()
     if args.finetune:
-        optimizer.reload_model_params()
         print_rank_0(f"  loaded model weights from {path} for finetuning (iteration 0)")
         return 0, 0
     if not args.no_load_optim:
-        if not same_layout:
-            saved_layout = ", ".join(f"{n}={common['args'].get(n)}" for n in LAYOUT_ARGS)
-            raise CheckpointError(
-                f"checkpoint {path} was saved with another parallel layout or precision "
-                f"({saved_layout}); its model weights load here but its optimizer state does "
-                f"not: add --no-load-optim (or --finetune)")
-        optimizer.load_state_dict(torch.load(
-            os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"), weights_only=False))
+        _load_optimizer(path, common, model, optimizer, same_layout)
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    else:
-        optimizer.reload_model_params()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
     if not args.no_load_rng and same_layout and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
     print_rank_0(f"  loaded checkpoint from {path} at iteration {iteration}")
     return iteration, common["consumed_samples"]
+
+
+def _load_optimizer(path: str, common: dict, model, optimizer, same_layout: bool) -> None:
+    if common.get("format_version", 1) < 2:  # per-rank files of this layout
+        if not same_layout:
+            saved_layout = ", ".join(f"{n}={common['args'].get(n)}" for n in LAYOUT_ARGS)
+            raise CheckpointError(
+                f"checkpoint {path} is of an older format whose optimizer state loads only at "
+                f"the layout it was saved with ({saved_layout}): add --no-load-optim")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        optimizer.load_state_dict(torch.load(
+            os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"), weights_only=False))
+        return
+    location = os.path.join(path, "optimizer")
+    if not os.path.isdir(location):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
+                              f"--no-save-optim): add --no-load-optim")
+    try:
+        load_optimizer_state(location, model, optimizer)
+    except OptimizerStateError as error:
+        raise CheckpointError(f"cannot load the optimizer state of {path}: {error}; add "
+                              f"--no-load-optim to start the optimizer afresh") from None
+    apply_group_settings(optimizer, common.get("param_group_settings", []))
+    if getattr(optimizer, "grad_scaler", None) is not None and "grad_scaler" in common:
+        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
 
 
 def _load_model(model, path: str) -> None:

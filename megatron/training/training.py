@@ -8,6 +8,7 @@ NCCL): a layout that would cross or deadlock is refused with the verifier's repo
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -28,7 +29,7 @@ from megatron.core.pipeline_parallel.p2p_communicator import set_debug_tags
 from megatron.core.pipeline_parallel.verify import Layout, VerificationError, verify
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
-from megatron.training import checkpointing
+from megatron.training import checkpointing, metrics_writers
 from megatron.training.arguments import ArgumentError, validate_training_args
 from megatron.training.config_builders import ddp_config_from_args, optimizer_config_from_args
 from megatron.training.data_loading import build_data_loader, cyclic_iter
@@ -38,9 +39,23 @@ from megatron.training.initialize import initialize_megatron
 from megatron.training.rendezvous import StartupError
 from megatron.training.signals import SigtermWatcher
 from megatron.training.timers import Timers
-from megatron.training.utils import is_last_rank, print_rank_0, print_rank_last
+from megatron.training.utils import print_rank_0, print_rank_last
 
 
+def _checkpoint_errors_end_the_run(run: Callable) -> Callable:
+    """A checkpoint that cannot be loaded (bad files) or written (a full disk) ends the run with
+    its one-line reason and exit code 2, as bad input does, instead of a deep traceback."""
+    @functools.wraps(run)
+    def guarded(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except checkpointing.CheckpointError as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+    return guarded
+
+
+@_checkpoint_errors_end_the_run
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
              model_type: ModelType, forward_step_func: Callable,
              process_non_loss_data_func: Optional[Callable] = None,
@@ -62,6 +77,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     _start_p2p_diagnostics(args)
+    metrics_writers.start(args)  # a missing optional package warns here, not at iteration 1
     timers = Timers(log_level=1)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
     config = get_model_config(model[0])
@@ -275,7 +291,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     args = get_args()
     for chunk in model:
         chunk.train()
-    writer = _tensorboard_writer(args)
+    writer = metrics_writers.get_writer()
     watcher = SigtermWatcher() if args.exit_signal_handler else None
     state = _LogState()
     device = _device(args)
@@ -356,14 +372,6 @@ def training_log(state: _LogState, iteration: int, consumed_samples: int, optimi
             writer.add_scalar("grad-norm", float(grad_norm), iteration)
     timers.elapsed_ms(["forward-backward"])  # reset per interval
     state.__init__()
-
-
-def _tensorboard_writer(args):
-    if not args.tensorboard_dir or not is_last_rank():
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=args.tensorboard_dir)
 
 
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config,

@@ -24,6 +24,7 @@ from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     HALF_DTYPES,
+    MainParamPiece,
     MixedPrecisionOptimizer,
     clear_grads,
     timed_phase,
@@ -172,6 +173,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
         return success
+
+    def main_param_pieces(self) -> list[MainParamPiece]:
+        return [MainParamPiece(param, main, piece.start, piece.end)
+                for param, piece, main in self._entries()]
 
     def _layout_signature(self) -> dict:
         return {

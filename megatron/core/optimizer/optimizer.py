@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -60,6 +61,17 @@ def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
         else:
             param.grad.detach_()
             param.grad.zero_()
+
+
+@dataclass(frozen=True)
+class MainParamPiece:
+    """What the torch optimizer steps for (part of) one model parameter: ``main`` holds flat
+    elements [start, end) of the model parameter (all of them unless the state is sharded)."""
+
+    param: torch.nn.Parameter
+    main: torch.Tensor
+    start: int
+    end: int
 
 
 class MegatronOptimizer(ABC):
@@ -173,6 +185,11 @@ class MegatronOptimizer(ABC):
         """Refresh main parameters after the model parameters were changed from outside."""
 
     @abstractmethod
+    def main_param_pieces(self) -> list[MainParamPiece]:
+        """Every tensor the torch optimizer steps, with the model parameter it belongs to
+        (checkpoints store optimizer state under the model's parameter names)."""
+
+    @abstractmethod
     def state_dict(self) -> dict:
         ...
 
@@ -226,6 +243,9 @@ class FP32Optimizer(MegatronOptimizer):
 
     def reload_model_params(self) -> None:
         return None  # the model parameters are the main parameters
+
+    def main_param_pieces(self) -> list[MainParamPiece]:
+        return [MainParamPiece(p, p, 0, p.numel()) for p in self.get_parameters()]
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -362,6 +382,11 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         with torch.no_grad():
             for model_param, main_param in self._pairs():
                 main_param.copy_(model_param)
+
+    def main_param_pieces(self) -> list[MainParamPiece]:
+        pieces = [MainParamPiece(half, main, 0, half.numel()) for half, main in self._pairs()]
+        return pieces + [MainParamPiece(p, p, 0, p.numel())
+                         for group in self.fp32_from_fp32_groups for p in group]
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(),

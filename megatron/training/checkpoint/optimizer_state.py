@@ -1,0 +1,285 @@
+"""Optimizer state under layout-free names: saved whole, loaded at any tp x pp x vpp x dp layout.
+
+For every trainable model tensor name N (``model_tensors``' names) a checkpoint's ``optimizer/``
+DCP directory holds whole fp32 tensors ``optimizer.state.<key>.N`` for each per-element state
+of the torch optimizer (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``),
+``optimizer.state.fp32_param.N`` (the fp32 main copy, for fp16/bf16 models) and the 0-d
+``optimizer.state.step.N``. Parameter-group hyperparameters and the loss scaler, the same on
+every rank, go into ``common.pt`` (``param_group_settings``).
+
+Saving assembles each tensor on one rank only: first over the data-parallel group where the
+distributed optimizer shards it (a sum of disjoint pieces, so exact), then over the tensor-
+parallel group; writers take turns by name, so no rank holds more than about its share of the
+whole state. Loading reads, per rank and without collectives, the whole tensors it needs a
+batch at a time and keeps its own part, so any layout can load any other's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
+from megatron.core.optimizer.optimizer import MainParamPiece
+from megatron.training.checkpoint.model_tensors import (
+    VOCAB_PARALLEL,
+    assemble_shards,
+    is_tp_sharded,
+    join_shape,
+    model_tensors,
+    my_shard,
+)
+
+PREFIX = "optimizer.state."
+MAIN = "fp32_param"
+STEP = "step"
+# Group settings a checkpoint restores (as torch's Optimizer.load_state_dict does); the
+# scheduler then sets lr and weight decay from its own restored state.
+HYPERPARAMETERS = ("betas", "eps", "momentum", "dampening", "nesterov", "lr", "weight_decay")
+_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+_LOAD_BATCH_BYTES = 1 << 30
+
+
+class OptimizerStateError(RuntimeError):
+    """The saved optimizer state does not fit this run; the message names what is missing."""
+
+
+def state_key(key: str, name: str) -> str:
+    return f"{PREFIX}{key}.{name}"
+
+
+@dataclass
+class _Slot:
+    """One trainable model tensor of this rank and the piece of it this rank's optimizer steps."""
+
+    name: str
+    param: torch.nn.Parameter
+    piece: Optional[MainParamPiece]
+
+
+def _slots(model_chunks, optimizer: MegatronOptimizer) -> list[_Slot]:
+    pieces = {piece.param: piece for piece in optimizer.main_param_pieces()}
+    slots = {}
+    for name, _, param in model_tensors(model_chunks):
+        if isinstance(param, torch.nn.Parameter) and param.requires_grad:
+            slots[name] = _Slot(name, param, pieces.get(param))
+    return [slots[name] for name in sorted(slots)]
+
+
+class _Layout:
+    """This rank's place in the groups the state is spread over."""
+
+    def __init__(self, optimizer: MegatronOptimizer):
+        self.distributed = dist.is_initialized()
+        self.tp = parallel_state.get_tensor_model_parallel_group() if self.distributed else None
+        if isinstance(optimizer, DistributedOptimizer):
+            self.dp, self.dp_sharded = optimizer.data_parallel_group.group, True
+        else:
+            self.dp = parallel_state.get_data_parallel_group() if self.distributed else None
+            self.dp_sharded = False
+        self.tp_size, self.tp_rank = self._size_rank(self.tp)
+        self.dp_size, self.dp_rank = self._size_rank(self.dp)
+
+    def _size_rank(self, group) -> tuple[int, int]:
+        if not self.distributed:
+            return 1, 0
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    def writer(self, index: int) -> tuple[int, int]:
+        """(tp rank, dp rank) that writes the ``index``-th name: turns, for balance."""
+        turn = index % (self.tp_size * self.dp_size)
+        return turn % self.tp_size, turn // self.tp_size
+
+
+def _state_keys(optimizer: MegatronOptimizer) -> list[str]:
+    """The per-element state keys any rank's optimizer holds (the same optimizer everywhere,
+    but a rank that owns no piece yet, or has not stepped, has none to look at)."""
+    keys = {key for state in optimizer.optimizer.state.values() for key, value in state.items()
+            if torch.is_tensor(value) and value.dim() > 0}
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(keys))
+        keys = {key for rank_keys in everyone for key in rank_keys}
+    return sorted(keys)
+
+
+def _step_of(optimizer: MegatronOptimizer, main: torch.Tensor) -> Optional[float]:
+    step = optimizer.optimizer.state.get(main, {}).get(STEP)
+    if step is None:  # apex keeps the step count per group
+        step = next((g.get(STEP) for g in optimizer.param_groups
+                     if any(p is main for p in g["params"])), None)
+    return None if step is None else float(step)
+
+
+def _assemble(slot: _Slot, layout: _Layout, writer: tuple[int, int],
+              source: Callable[[MainParamPiece], torch.Tensor]) -> Optional[torch.Tensor]:
+    """The whole fp32 tensor ``source`` gives piece by piece, on the writer only (collective
+    over this slot's tensor- and data-parallel groups)."""
+    param = slot.param
+    local = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    if slot.piece is not None:
+        local[slot.piece.start:slot.piece.end] = source(slot.piece).reshape(-1)
+    writer_tp, writer_dp = writer
+    sharded = is_tp_sharded(param) and layout.tp_size > 1
+    if layout.dp_sharded and layout.dp_size > 1 and (sharded or layout.tp_rank == writer_tp):
+        dist.reduce(local, dst=dist.get_global_rank(layout.dp, writer_dp), group=layout.dp)
+    if layout.dp_rank != writer_dp:
+        return None
+    if sharded:
+        shards = ([torch.empty_like(local) for _ in range(layout.tp_size)]
+                  if layout.tp_rank == writer_tp else None)
+        dist.gather(local, shards, dst=dist.get_global_rank(layout.tp, writer_tp),
+                    group=layout.tp)
+        if shards is None:
+            return None
+        return assemble_shards([s.view(param.shape) for s in shards], param).cpu()
+    return local.view(param.shape).cpu() if layout.tp_rank == writer_tp else None
+
+
+def _assemble_step(slot: _Slot, layout: _Layout, writer: tuple[int, int],
+                   optimizer: MegatronOptimizer) -> Optional[torch.Tensor]:
+    step = None if slot.piece is None else _step_of(optimizer, slot.piece.main)
+    value = torch.tensor(-1.0 if step is None else step, device=slot.param.device)
+    writer_tp, writer_dp = writer
+    if layout.dp_sharded and layout.dp_size > 1 and layout.tp_rank == writer_tp:
+        dist.reduce(value, dst=dist.get_global_rank(layout.dp, writer_dp),
+                    op=dist.ReduceOp.MAX, group=layout.dp)
+    if (layout.tp_rank, layout.dp_rank) != writer or value.item() < 0:
+        return None
+    return value.cpu()
+
+
+def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer) -> dict[str, Any]:
+    """The entries of ``optimizer/`` this rank writes; every rank must call it (collective)."""
+    layout = _Layout(optimizer)
+    keys = _state_keys(optimizer)
+    entries: dict[str, Any] = {}
+    with torch.no_grad():
+        for index, slot in enumerate(_slots(model_chunks, optimizer)):
+            writer = layout.writer(index)
+            for key in keys:
+                whole = _assemble(slot, layout, writer,
+                                  lambda piece: optimizer.optimizer.state[piece.main][key])
+                if whole is not None:
+                    entries[state_key(key, slot.name)] = whole
+            if slot.param.dtype in (torch.float16, torch.bfloat16):
+                whole = _assemble(slot, layout, writer, lambda piece: piece.main)
+                if whole is not None:
+                    entries[state_key(MAIN, slot.name)] = whole
+            step = _assemble_step(slot, layout, writer, optimizer)
+            if step is not None:
+                entries[state_key(STEP, slot.name)] = step
+    return entries
+
+
+def group_settings(optimizer: MegatronOptimizer) -> list[dict]:
+    """Every parameter group's hyperparameters, from all ranks (a stage may lack a group)."""
+    mine = [{k: group[k] for k in _GROUP_KEYS + HYPERPARAMETERS if k in group}
+            for group in optimizer.param_groups]
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    merged = {}
+    for groups in everyone:
+        for group in groups:
+            merged.setdefault(tuple(group.get(k) for k in _GROUP_KEYS), group)
+    return list(merged.values())
+
+
+def apply_group_settings(optimizer: MegatronOptimizer, saved: list[dict]) -> None:
+    by_key = {tuple(group.get(k) for k in _GROUP_KEYS): group for group in saved}
+    for group in optimizer.param_groups:
+        settings = by_key.get(tuple(group.get(k) for k in _GROUP_KEYS))
+        if settings is not None:
+            group.update({k: settings[k] for k in HYPERPARAMETERS if k in settings})
+
+
+def _my_part(whole: torch.Tensor, slot: _Slot, fill: torch.Tensor) -> torch.Tensor:
+    """This rank's flat elements of ``whole``; where the saved vocabulary was padded to fewer
+    rows than this model's, the missing rows come from ``fill`` (this rank's local tensor)."""
+    expected = join_shape(slot.param, slot.param)
+    if whole.shape != expected:
+        if slot.name not in VOCAB_PARALLEL or whole.shape[1:] != expected[1:]:
+            raise OptimizerStateError(f"it holds {slot.name}'s optimizer state with shape "
+                                      f"{list(whole.shape)}, this model has {list(expected)}")
+        rows = min(whole.shape[0], expected[0])
+        padded = torch.zeros(expected, dtype=whole.dtype)
+        padded[:rows] = whole[:rows]
+        local = my_shard(padded, slot.param)
+        first = (dist.get_rank(parallel_state.get_tensor_model_parallel_group())
+                 * local.shape[0] if is_tp_sharded(slot.param) else 0)
+        keep = max(0, min(local.shape[0], rows - first))
+        local[keep:] = fill.detach().reshape(local.shape)[keep:].to(local.dtype).cpu()
+    else:
+        local = my_shard(whole, slot.param)
+    return local.reshape(-1)[slot.piece.start:slot.piece.end]
+
+
+@torch.no_grad()
+def load_optimizer_state(location: str, model_chunks, optimizer: MegatronOptimizer) -> None:
+    """Fill this rank's optimizer state from ``location`` (an ``optimizer/`` DCP directory).
+
+    No collectives: each rank reads what it needs. Call after the model weights and
+    ``reload_model_params`` so main parameters the checkpoint lacks come from the weights.
+    """
+    saved = dcp.FileSystemReader(location).read_metadata().state_dict_metadata
+    if optimizer.init_state_fn is not None:
+        optimizer.init_state_fn(optimizer.optimizer)
+    inner = optimizer.optimizer
+    # (checkpoint key, where this rank's part goes, its slot, what fills rows the saved
+    # vocabulary lacks); the step has no slot: it is taken whole.
+    requests: list[tuple] = []
+    for slot in _slots(model_chunks, optimizer):
+        if slot.piece is None:
+            continue
+        main, name = slot.piece.main, slot.name
+        state = inner.state[main]
+        for key, value in state.items():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                continue
+            if state_key(key, name) not in saved:
+                raise OptimizerStateError(f"it holds no optimizer state {key!r} for {name}")
+            requests.append((state_key(key, name), value.view(-1).copy_, slot,
+                             torch.zeros(slot.param.shape)))
+        if state_key(MAIN, name) in saved:
+            requests.append((state_key(MAIN, name), main.view(-1).copy_, slot, slot.param))
+        if state_key(STEP, name) in saved:
+            requests.append((state_key(STEP, name), _step_setter(optimizer, main), None, None))
+    batch, size = [], 0
+    for request in requests + [None]:
+        if request is not None:
+            numel = saved[request[0]].size.numel()
+            batch.append(request)
+            size += 4 * numel
+        if batch and (request is None or size >= _LOAD_BATCH_BYTES):
+            _load_batch(location, saved, batch)
+            batch, size = [], 0
+
+
+def _load_batch(location: str, saved, batch) -> None:
+    targets = {key: torch.empty(saved[key].size, dtype=torch.float32) for key, *_ in batch}
+    dcp.load(targets, checkpoint_id=location, no_dist=True)
+    with torch.no_grad():
+        for key, setter, slot, fill in batch:
+            whole = targets[key]
+            setter(whole if slot is None else _my_part(whole, slot, fill).to(torch.float32))
+
+
+def _step_setter(optimizer: MegatronOptimizer, main: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    state = optimizer.optimizer.state[main]
+
+    def set_step(value: torch.Tensor) -> None:
+        if torch.is_tensor(state.get(STEP)):
+            state[STEP].fill_(value.item())
+            return
+        for group in optimizer.param_groups:  # apex: one count per group
+            if any(p is main for p in group["params"]):
+                group[STEP] = int(value.item())
+
+    return set_step

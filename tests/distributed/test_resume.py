@@ -1,0 +1,99 @@
+"""Resuming ``pretrain_gpt.py`` from a checkpoint, on CPU/gloo with torchrun.
+
+At one layout, with the default dropout, a run stopped by ``--exit-interval`` and resumed with
+``--load`` gives the uninterrupted run's losses bit for bit. At another tp/pp/vpp/dp layout the
+optimizer state (Adam moments, step counts, fp32 main parameters) follows the weights: saved at
+one layout and saved again after loading at another, every tensor is bit-identical, and a run
+resumed at another layout continues with the losses a same-layout resume gives (fp32; the
+tolerance is for the other reduction order of another layout).
+"""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.distributed.test_trainer import PP2_VPP2, data, losses, run, small_gpt  # noqa: F401
+
+LAYOUTS = {
+    "pp2-vpp2-variable-batched": (2, PP2_VPP2),
+    "tp2-pp2-sequence-parallel": (4, ["--tensor-model-parallel-size", "2",
+                                      "--pipeline-model-parallel-size", "2",
+                                      "--sequence-parallel"]),
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    "tp2-dp2-distributed-optimizer": (4, ["--tensor-model-parallel-size", "2",
+                                          "--use-distributed-optimizer"]),
+}
+CROSS_LAYOUT_TOLERANCE = 1e-5
+
+
+def _args(data, layout: str, iterations: int, *extra, dropout: bool = False) -> list[str]:
+    args = small_gpt(data, "--train-iters", str(iterations), *LAYOUTS[layout][1], *extra)
+    if dropout:  # drop small_gpt's "--hidden-dropout 0 --attention-dropout 0": defaults (0.1)
+        at = args.index("--hidden-dropout")
+        del args[at:at + 4]
+    return args
+
+
+def _train(data, layout: str, iterations: int, *extra, dropout: bool = False) -> dict:
+    return losses(run(LAYOUTS[layout][0], _args(data, layout, iterations, *extra,
+                                                 dropout=dropout)))
+
+
+@pytest.mark.parametrize("layout", [
+    "pp2-vpp2-variable-batched",
+    pytest.param("tp2-pp2-sequence-parallel", marks=pytest.mark.slow),
+    pytest.param("dp2-distributed-optimizer", marks=pytest.mark.slow),
+])
+def test_resume_with_default_dropout_is_bit_identical(layout, data, tmp_path):
+    uninterrupted = _train(data, layout, 8, dropout=True)
+    first = _train(data, layout, 8, "--save", str(tmp_path), "--exit-interval", "4",
+                   dropout=True)
+    resumed = _train(data, layout, 8, "--load", str(tmp_path), dropout=True)
+    assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [5, 6, 7, 8]
+    assert {**first, **resumed} == uninterrupted
+
+
+def _read(root, part: str) -> dict[str, torch.Tensor]:
+    location = root / "iter_0000003" / part
+    metadata = dcp.FileSystemReader(str(location)).read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(item.size, dtype=item.properties.dtype)
+               for key, item in metadata.items()}
+    dcp.load(tensors, checkpoint_id=str(location), no_dist=True)
+    return tensors
+
+
+@pytest.mark.parametrize("source,target,precision", [
+    ("tp2-pp2", "dp2-distributed-optimizer", "--bf16"),
+    pytest.param("tp2-dp2-distributed-optimizer", "pp4", "--fp32", marks=pytest.mark.slow),
+])
+def test_optimizer_state_survives_another_layout_bit_for_bit(source, target, precision, data,
+                                                            tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    extra = [] if precision == "--fp32" else [precision]
+    _train(data, source, 3, *extra, "--save", str(first))
+    # Loaded at the other layout and saved again there, without a step in between.
+    _train(data, target, 3, *extra, "--load", str(first), "--save", str(second))
+    for part in ("model", "optimizer"):
+        saved, again = _read(first, part), _read(second, part)
+        assert saved.keys() == again.keys()
+        assert [key for key in saved if not torch.equal(saved[key], again[key])] == []
+    state_kinds = {key.split(".")[2] for key in saved}
+    expected = {"exp_avg", "exp_avg_sq", "step"} | ({"fp32_param"} if extra else set())
+    assert state_kinds == expected
+
+
+@pytest.mark.parametrize("source,target", [
+    ("tp2-pp2", "pp4"),
+    pytest.param("tp2-pp2", "dp2-distributed-optimizer", marks=pytest.mark.slow),
+    pytest.param("dp2-distributed-optimizer", "tp2-pp2", marks=pytest.mark.slow),
+])
+def test_resume_at_another_layout_continues_like_a_same_layout_resume(source, target, data,
+                                                                      tmp_path):
+    _train(data, source, 8, "--save", str(tmp_path), "--exit-interval", "4")
+    same = _train(data, source, 8, "--load", str(tmp_path))
+    other = _train(data, target, 8, "--load", str(tmp_path))
+    assert sorted(same) == sorted(other) == [5, 6, 7, 8]
+    for iteration, value in same.items():
+        assert other[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE), iteration
