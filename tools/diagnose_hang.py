@@ -4,8 +4,9 @@
     python tools/diagnose_hang.py DIR
 
 DIR holds the ``rank<N>.json`` files the p2p watchdog writes (--p2p-timeout-seconds).
-Prints the first message one side posted and the other never did (or that crossed), then
-what each rank is stuck in. Exit status 0 when something unmatched was found, 1 otherwise.
+Prints a rank that wrote no record while others wait on it (it died), the first message one
+side posted and the other never did (or that crossed), then what each rank is stuck in. Exit
+status 0 when one of those was found, 1 otherwise.
 """
 
 import argparse
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
         return 2
     lines = diagnose(dumps)
     print("\n".join(lines))
-    return 0 if any("unmatched" in line or "crossed" in line for line in lines) else 1
+    found = ("unmatched", "crossed", "wrote no flight record")
+    return 0 if any(word in line for line in lines for word in found) else 1
 
 
 if __name__ == "__main__":

@@ -125,6 +125,10 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
                          torch.bfloat16 if args.bf16 else torch.float32)
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are alternatives")
+    if args.ckpt_format == "torch" and args.save is not None:
+        raise ArgumentError("--ckpt-format torch: upstream's legacy per-rank format is written "
+                            "offline by tools/checkpoint_convert.py; save with torch_dist or "
+                            "layout_free")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
     if args.transformer_impl == "transformer_engine":

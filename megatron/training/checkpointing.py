@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
 from typing import Optional
 
@@ -37,7 +38,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.checkpoint import integrity
+from megatron.training.checkpoint.dist_save import save_torch_dist
 from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint.formats import detect_format
 from megatron.training.checkpoint.optimizer_state import (
     OptimizerStateError,
     apply_group_settings,
@@ -45,6 +48,7 @@ from megatron.training.checkpoint.optimizer_state import (
     load_optimizer_state,
     optimizer_state_to_save,
 )
+from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
 from megatron.training.checkpoint.model_tensors import (
     VOCAB_PARALLEL,
     join_shape,
@@ -108,10 +112,15 @@ def _first_cause(error: BaseException) -> str:
 
 
 def _free_space(root: str) -> str:
+    """The room left for a checkpoint: free bytes there, and a file size limit where one is set."""
     try:
-        return f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+        room = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
     except OSError:
-        return "free space unknown"
+        room = "free space unknown"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        room += f", files limited to {limit / 2**20:.2f} MiB (ulimit -f)"
+    return room
 
 
 def _remove_partials(root: str) -> None:
@@ -134,25 +143,31 @@ def _write_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         os.makedirs(os.path.join(partial, "rng"))
     _barrier()
 
-    state = {name: join_shards(tensor.detach(), param).cpu()
-             for name, tensor, param in model_tensors(model)}
-    dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
-    optimizer_common = {}
-    if not args.no_save_optim:
-        dcp.save(optimizer_state_to_save(model, optimizer),
-                 checkpoint_id=os.path.join(partial, "optimizer"))
-        optimizer_common["param_group_settings"] = group_settings(optimizer)
-        if getattr(optimizer, "grad_scaler", None) is not None:
-            optimizer_common["grad_scaler"] = optimizer.grad_scaler.state_dict()
-    if not args.no_save_rng:
-        torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        torch.save({"format_version": FORMAT_VERSION, "iteration": iteration,
-                    "consumed_samples": consumed_samples,
-                    "opt_param_scheduler": opt_param_scheduler.state_dict(),
-                    **optimizer_common,
-                    "args": {k: v for k, v in vars(args).items() if _plain(v)}},
-                   os.path.join(partial, "common.pt"))
+    if args.ckpt_format == "torch_dist":  # upstream's format: model and scheduler only
+        save_torch_dist(model, partial, iteration=iteration,
+                        args={k: v for k, v in vars(args).items() if _plain(v)},
+                        consumed_samples=consumed_samples,
+                        scheduler_state=opt_param_scheduler.state_dict())
+    else:
+        state = {name: join_shards(tensor.detach(), param).cpu()
+                 for name, tensor, param in model_tensors(model)}
+        dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
+        optimizer_common = {}
+        if not args.no_save_optim:
+            dcp.save(optimizer_state_to_save(model, optimizer),
+                     checkpoint_id=os.path.join(partial, "optimizer"))
+            optimizer_common["param_group_settings"] = group_settings(optimizer)
+            if getattr(optimizer, "grad_scaler", None) is not None:
+                optimizer_common["grad_scaler"] = optimizer.grad_scaler.state_dict()
+        if not args.no_save_rng:
+            torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            torch.save({"format_version": FORMAT_VERSION, "iteration": iteration,
+                        "consumed_samples": consumed_samples,
+                        "opt_param_scheduler": opt_param_scheduler.state_dict(),
+                        **optimizer_common,
+                        "args": {k: v for k, v in vars(args).items() if _plain(v)}},
+                       os.path.join(partial, "common.pt"))
     _barrier()
     integrity.write_manifest(partial)
     if rank == 0:
@@ -224,6 +239,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{os.path.join(args.load, TRACKER)} names iteration {iteration}, "
                               f"but {path} does not exist")
+    if detect_format(path) != "layout_free":  # upstream's torch or torch_dist
+        return load_upstream_checkpoint(model, optimizer, path, args)
     if not integrity.verify_checkpoint(path):
         print_rank_0(f"WARNING: checkpoint {path} has no {integrity.MANIFEST} (saved before "
                      f"manifests were written): its files are not checked")

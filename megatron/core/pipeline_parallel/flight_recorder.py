@@ -12,7 +12,10 @@ longer than the timeout it writes this rank's record as JSON, prints one paragra
 process with exit code 3, so a stuck job ends with a diagnosis instead of a silent wait. Its
 peers then usually see their own wait fail (the connection closed) before their watchdog fires;
 the communicator writes their records too (``dump_after_failure``), so the diagnosis has every
-rank's side.
+rank's side. A launcher or scheduler that ends the job with SIGTERM (torchrun does, as soon as
+one worker died) gets the records too: where nothing else handles SIGTERM, the watchdog writes
+the record and exits with 128 + SIGTERM, even while the main thread is blocked in a transport
+wait.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import collections
 import dataclasses
 import json
 import os
+import select
+import signal
+import socket
 import sys
 import threading
 import time
@@ -46,6 +52,7 @@ class P2PRecord:
     dtype: Optional[str]
     posted_s: float
     completed_s: Optional[float] = None
+    failed: Optional[str] = None  # the transport's error, where it failed instead of completing
     done: Callable[[], bool] = dataclasses.field(default=lambda: False, repr=False)
 
     def describe(self) -> str:
@@ -75,10 +82,12 @@ class FlightRecorder:
         self._channel_counts: collections.Counter = collections.Counter()
         self._start = time.monotonic()
         self.rank: Optional[int] = None
+        self.world_size: Optional[int] = None
         self.pipeline_rank: Optional[int] = None
         self.pipeline_ranks: Optional[list[int]] = None
         self.schedule: Optional[dict] = None  # the PlanSpec of the schedule running, if any
         self.dump_dir: Optional[str] = None  # set by start_watchdog
+        self.last_dump: Optional[str] = None
 
     def now(self) -> float:
         return time.monotonic() - self._start
@@ -107,7 +116,7 @@ class FlightRecorder:
         open_ = self._open
         while open_ and (open_[0].completed_s is not None or open_[0].done()):
             record = open_.popleft()
-            if record.completed_s is None:
+            if record.completed_s is None and record.failed is None:
                 record.completed_s = self.now()
         if len(open_) > self._ring.maxlen:  # long evicted from the ring: nobody asks any more
             open_.popleft()
@@ -115,6 +124,10 @@ class FlightRecorder:
     def complete(self, record: P2PRecord) -> None:
         """The host saw the operation finish."""
         record.completed_s = self.now()
+
+    def fail(self, record: P2PRecord, error: str) -> None:
+        """The transport failed the operation (a peer ended): it stays incomplete in the dump."""
+        record.failed = error
 
     def records(self) -> list[P2PRecord]:
         with self._lock:
@@ -130,10 +143,10 @@ class FlightRecorder:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{self.rank if self.rank is not None else 0}.json")
         for record in self.records():  # finished on the device since the host last looked
-            if record.completed_s is None and record.done():
+            if record.completed_s is None and record.failed is None and record.done():
                 record.completed_s = self.now()
         payload: dict[str, Any] = {
-            "rank": self.rank, "pipeline_rank": self.pipeline_rank,
+            "rank": self.rank, "world_size": self.world_size, "pipeline_rank": self.pipeline_rank,
             "pipeline_ranks": self.pipeline_ranks, "schedule": self.schedule, "reason": reason,
             "time_s": self.now(),
             "records": [r.as_json() for r in self.records()],
@@ -142,6 +155,7 @@ class FlightRecorder:
         with open(tmp, "w") as f:
             json.dump(payload, f, indent=1)
         os.replace(tmp, path)
+        self.last_dump = path
         return path
 
     def dump_after_failure(self, reason: str) -> Optional[str]:
@@ -166,10 +180,12 @@ def start_watchdog(timeout_s: float, dump_dir: str, *,
     recorder = recorder or _RECORDER
     recorder.dump_dir = dump_dir
     period = max(0.05, min(1.0, timeout_s / 10))
+    on_sigterm = _catch_sigterm()
 
     def watch():
         while True:
-            time.sleep(period)
+            if on_sigterm.arrived(period):
+                _end_on_sigterm(recorder)
             oldest = recorder.oldest_incomplete()
             if oldest is None or recorder.now() - oldest.posted_s < timeout_s:
                 continue
@@ -196,3 +212,71 @@ def start_watchdog(timeout_s: float, dump_dir: str, *,
 def _exit_hung(message: str) -> None:
     del message
     os._exit(HANG_EXIT_CODE)
+
+
+class _SigtermWakeup:
+    """Tells the watchdog thread that SIGTERM arrived. A Python signal handler runs only when
+    the main thread is back in Python, never while it is blocked in a transport wait; the
+    interpreter's C handler writes the signal number to the wakeup socket at once, though."""
+
+    def __init__(self, handler: Optional[Callable] = None,
+                 sockets: tuple[Optional[socket.socket], ...] = (None, None)):
+        # The write end is the interpreter's, by number: it stays referenced here, open.
+        self.handler, (self.socket, self._writer) = handler, sockets
+
+    def arrived(self, timeout_s: float) -> bool:
+        if self.socket is None:
+            time.sleep(timeout_s)
+            return False
+        if not select.select([self.socket], [], [], timeout_s)[0]:
+            return False
+        received = self.socket.recv(256)
+        # Ours only while SIGTERM is still ours (--exit-signal-handler takes it over later).
+        return signal.SIGTERM in received and signal.getsignal(signal.SIGTERM) is self.handler
+
+
+def _end_on_sigterm(recorder: FlightRecorder) -> None:
+    """Write the record where the pipeline ran and none was written yet, then exit as SIGTERM
+    asks."""
+    if recorder.records() and recorder.last_dump is None and recorder.dump_dir:
+        path = recorder.dump(recorder.dump_dir,
+                             reason="SIGTERM (its launcher or scheduler ended the job)")
+        print(f"p2p flight recorder: global rank {recorder.rank} got SIGTERM; flight record: "
+              f"{path}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signal.SIGTERM)
+
+
+def _catch_sigterm() -> _SigtermWakeup:
+    """Take SIGTERM where it still has its default action and nothing else uses the wakeup fd
+    (the main thread only); otherwise leave signals alone and have the watchdog just sleep."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return _SigtermWakeup()
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    if previous != -1:  # someone else's (an event loop): theirs stays
+        signal.set_wakeup_fd(previous)
+        reader.close()
+        writer.close()
+        return _SigtermWakeup()
+
+    def handler(signum, frame):
+        # The watchdog thread acts on it: here, between any two bytecodes of the main thread,
+        # the recorder's lock may be held.
+        del signum, frame
+
+    signal.signal(signal.SIGTERM, handler)
+
+    def forget_in_child() -> None:
+        # A forked child (a data-loader worker) has no watchdog and must not wake ours.
+        if signal.getsignal(signal.SIGTERM) is handler:
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            except ValueError:  # forked from another thread: signals stay as they were
+                pass
+
+    os.register_at_fork(after_in_child=forget_in_child)
+    return _SigtermWakeup(handler, (reader, writer))

@@ -3,7 +3,9 @@
 Each record carries its position on its channel (the k-th send from a rank to a peer, the k-th
 receive of a rank from a peer). Lining the two ends of every channel up by that position finds
 the first message one side posted and the other did not, or posted as another tensor; and each
-rank's oldest incomplete operation says what it waits for.
+rank's oldest incomplete operation says what it waits for. A rank of the job (the dumps carry
+its world size) that wrote no record while others wait on it has most likely died: it is
+named first.
 """
 
 from __future__ import annotations
@@ -53,6 +55,27 @@ def _schedule_clock(dumps: dict[int, dict]) -> Optional[dict]:
             for t, step in table.producer_step.items()}
 
 
+def _silent_ranks(dumps: dict[int, dict],
+                  expected_ranks: Optional[list[int]]) -> dict[int, list[int]]:
+    """Each rank of the job without a record, with the ranks whose oldest incomplete operation
+    has it as the peer."""
+    expected = set(expected_ranks or [])
+    for dump in dumps.values():
+        expected |= set(dump.get("pipeline_ranks") or [])
+        expected |= set(range(dump.get("world_size") or 0))
+    silent = {}
+    for rank in sorted(expected - set(dumps)):
+        silent[rank] = [other for other in sorted(dumps)
+                        if (_waiting_for(dumps[other]) or {}).get("peer") == rank]
+    return silent
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} was"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]} were"
+
+
 def diagnose(dumps: dict[int, dict], expected_ranks: Optional[list[int]] = None) -> list[str]:
     """Lines of the diagnosis, most important first.
 
@@ -68,10 +91,13 @@ def diagnose(dumps: dict[int, dict], expected_ranks: Optional[list[int]] = None)
         return record.get("posted_s", 0.0)
 
     ranks = sorted(dumps)
-    expected = sorted(set(expected_ranks or [])
-                      | {r for d in dumps.values() for r in (d.get("pipeline_ranks") or [])})
-    for rank in expected:
-        if rank not in dumps:
+    silent = _silent_ranks(dumps, expected_ranks)
+    for rank, waiters in silent.items():
+        if waiters:
+            lines.append(f"rank {rank} wrote no flight record: it died or never reached the "
+                         f"pipeline; {_ranks(waiters)} waiting on it")
+    for rank, waiters in silent.items():
+        if not waiters:
             lines.append(f"no flight record from rank {rank}: it exited, never hung, or wrote "
                          f"elsewhere; what it last did is unknown")
 
@@ -118,7 +144,7 @@ def diagnose(dumps: dict[int, dict], expected_ranks: Optional[list[int]] = None)
     if findings:
         lines.append("first unmatched: " + findings[0][1])
         lines += ["also unmatched: " + text for _, text in findings[1:]]
-    else:
+    elif not any(silent.values()):
         lines.append("every message posted on both ends matches; the hang is elsewhere (a "
                      "collective, or a rank busy outside p2p)")
     for rank in ranks:

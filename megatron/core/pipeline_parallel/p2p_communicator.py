@@ -126,6 +126,7 @@ class P2PCommunicator:
         self._header_stream = None
         self._host_header = None
         self.recorder.rank = dist.get_rank()
+        self.recorder.world_size = dist.get_world_size()
         self.recorder.pipeline_rank = self.pipeline_rank
         self.recorder.pipeline_ranks = dist.get_process_group_ranks(pp_group)
 
@@ -245,6 +246,8 @@ class P2PCommunicator:
             f"message #{record.channel_index} on that channel")
         message = (f"{self._describe(self.pipeline_rank)} failed in {what}: {error}. The peer "
                    f"has most likely ended first (its p2p watchdog or an error); its log says why")
+        if record is not None:
+            self.recorder.fail(record, str(error).splitlines()[0] if str(error) else repr(error))
         path = self.recorder.dump_after_failure(f"p2p operation failed: {error}")
         if path is not None:
             message += (f". Flight record: {path}; run `python tools/diagnose_hang.py "

@@ -1,4 +1,4 @@
-"""The one error a checkpoint that cannot be written or loaded raises; its message names the file."""
+"""The error of a checkpoint that cannot be written or loaded; its one line names the file."""
 
 
 class CheckpointError(RuntimeError):

@@ -1,0 +1,70 @@
+"""This tree's own format, read through the common reader interface.
+
+``iter_N/model/`` is a torch.distributed.checkpoint holding every model tensor once, whole,
+under layout-free names; ``iter_N/common.pt`` holds format_version, iteration, consumed
+samples, the scheduler and the arguments (a dict). A model built with the Transformer Engine
+spec saves its fused norms under TE names; they are read back under canonical names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron.training.checkpoint import dcp_chunks
+from megatron.training.checkpoint.source import CheckpointFormatError, CheckpointSource
+from megatron.training.checkpoint.upstream_names import to_local
+
+MODEL_DIR = "model"
+COMMON_FILE = "common.pt"
+
+
+def is_layout_free_checkpoint(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, MODEL_DIR))
+
+
+def read_common(path: str) -> dict:
+    try:
+        return torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
+    except (OSError, RuntimeError, EOFError) as error:
+        raise CheckpointFormatError(f"checkpoint {path} is incomplete or corrupt: cannot read "
+                                    f"{COMMON_FILE} ({error})") from None
+
+
+class LayoutFreeSource(CheckpointSource):
+    def __init__(self, path: str, known_versions: Iterable[int]) -> None:
+        common = read_common(path)
+        version = common.get("format_version")
+        if version not in set(known_versions):
+            raise CheckpointFormatError(f"{path}/{COMMON_FILE} has format_version {version}; "
+                                        f"this tree reads {sorted(set(known_versions))}")
+        location = os.path.join(path, MODEL_DIR)
+        try:
+            metadata = FileSystemReader(location).read_metadata().state_dict_metadata
+        except Exception as error:  # missing or unreadable metadata
+            raise CheckpointFormatError(f"checkpoint {path} is incomplete or corrupt: cannot read "
+                                        f"the model's metadata ({str(error).splitlines()[0]})"
+                                        ) from None
+        self._saved_names = {to_local(name): name for name in metadata}
+        super().__init__(path=path, format="layout_free", iteration=int(common["iteration"]),
+                         args=dict(common.get("args") or {}),
+                         shapes={to_local(n): m.size for n, m in metadata.items()},
+                         dtypes={to_local(n): m.properties.dtype for n, m in metadata.items()},
+                         consumed_samples=int(common.get("consumed_samples", 0)),
+                         scheduler_state=common.get("opt_param_scheduler"))
+        self.common = common
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        names = list(names)
+        state = {self._saved_names[name]: torch.empty(self.shapes[name], dtype=self.dtypes[name])
+                 for name in names}
+        try:
+            dcp_chunks.load(state, os.path.join(self.path, MODEL_DIR))
+        except Exception as error:  # DCP reports unreadable files in its own exception types
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise CheckpointFormatError(f"cannot load the model weights of {self.path}: "
+                                        f"{reason}") from None
+        return {name: state[self._saved_names[name]] for name in names}

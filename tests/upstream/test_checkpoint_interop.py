@@ -1,0 +1,226 @@
+"""Checkpoints interoperate with upstream megatron-core 0.11, both ways, on upstream's own code.
+
+Upstream's ``GPTModel`` (local spec) is built at tp 2 x pp 2 on CPU/gloo ranks that see only the
+wheel (``upstream_checkpoint_rank.py``) and saved in its legacy ``torch`` format and as
+``torch_dist``; this tree loads both at pp 1 and at pp 4 and must give upstream's logits on the
+same tokens. Then this tree saves ``torch_dist`` at tp 2 x pp 2 and upstream's
+``dist_checkpointing.load`` reads it at tp 1, again with the same logits. Two model shapes:
+Llama-like (RMSNorm, SwiGLU, rope, grouped-query attention, untied output, no biases) and
+GPT-2-like (LayerNorm, GeLU, learned positions, biases, tied output).
+
+The wheel comes from ``MEGATRON_CORE_WHEELS`` (a folder holding megatron_core-0.11.0-*.whl) or
+from the package registry; without either the tests skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.launcher import free_port, run_ranks
+from tests.upstream.upstream_harness import HarnessError, unpack_wheel
+
+pytestmark = pytest.mark.upstream
+
+RANK_SCRIPT = Path(__file__).with_name("upstream_checkpoint_rank.py")
+WHEEL = "megatron_core-0.11.0-*.whl"
+DEADLINE_S = 150.0
+# Both sides compute in fp32; only summation order differs (measured: below 1e-6).
+RTOL = 1e-5
+TOKENS = [[1, 5, 9, 3, 7, 2, 8, 4, 100, 127], [6, 0, 11, 12, 3, 3, 9, 1, 64, 33]]
+
+MODELS = {
+    "llama": {
+        "seed": 3, "vocab": 128, "max_seq": 16, "untie": True, "position_embedding_type": "rope",
+        "config": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                   "num_query_groups": 2, "ffn_hidden_size": 96, "normalization": "RMSNorm",
+                   "add_bias_linear": False, "swiglu": True, "init_method_std": 0.2},
+        "args": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                 "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 96,
+                 "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+                 "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
+                 "max_position_embeddings": 16},
+    },
+    "gpt": {
+        "seed": 5, "vocab": 128, "max_seq": 16, "untie": False,
+        "position_embedding_type": "learned_absolute",
+        "config": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                   "ffn_hidden_size": 128, "normalization": "LayerNorm", "add_bias_linear": True,
+                   "swiglu": False, "init_method_std": 0.2},
+        "args": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                 "group_query_attention": False, "num_query_groups": 1, "ffn_hidden_size": 128,
+                 "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
+                 "untie_embeddings_and_output_weights": False,
+                 "position_embedding_type": "learned_absolute", "max_position_embeddings": 16},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def upstream_site(tmp_path_factory) -> Path:
+    folder = os.environ.get("MEGATRON_CORE_WHEELS")
+    wheels = sorted(Path(folder).glob(WHEEL)) if folder else []
+    root = tmp_path_factory.mktemp("megatron-core-0.11.0")
+    if not wheels:
+        download = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "--ignore-requires-python", "--disable-pip-version-check", "-d", str(root / "wheel"),
+             "megatron-core==0.11.0"], capture_output=True, text=True, timeout=300)
+        wheels = sorted((root / "wheel").glob(WHEEL))
+        if not wheels:
+            pytest.skip("megatron-core 0.11.0: set MEGATRON_CORE_WHEELS to a folder with its "
+                        f"wheel (pip download failed: {download.stderr.strip()[-200:]})")
+    try:
+        return unpack_wheel(wheels[-1], root / "site")
+    except HarnessError as error:
+        pytest.fail(str(error))
+
+
+def run_upstream(site: Path, world: int, command: dict) -> None:
+    """``upstream_checkpoint_rank.py`` on ``world`` gloo ranks; fails with the logs' tails."""
+    out = Path(command["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    logs = [out / f"rank{rank}.log" for rank in range(world)]
+    processes = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as stream:
+                processes.append(subprocess.Popen(
+                    [sys.executable, str(RANK_SCRIPT), json.dumps(command)],
+                    env={**env, "RANK": str(rank)}, cwd=RANK_SCRIPT.parent, stdout=stream,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        give_up_at = time.monotonic() + DEADLINE_S
+        while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):
+            time.sleep(0.1)
+        codes = [p.poll() for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    if codes != [0] * world:
+        tails = "\n".join(f"rank {r}: " + "\n".join(log.read_text().splitlines()[-15:])
+                          for r, log in enumerate(logs))
+        pytest.fail(f"upstream {command['action']} failed, exit codes {codes}:\n{tails}")
+
+
+def our_model(spec: dict, tp: int, pp: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tests.support.gpt_support import small_config
+
+    shape = dict(spec["config"])
+    if shape.pop("swiglu"):
+        shape.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                     bias_activation_fusion=False)
+    config = small_config(**shape, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          pipeline_dtype=torch.float32)
+    torch.manual_seed(spec["seed"] + 100)  # other weights than upstream's, until loaded
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec["vocab"],
+                    max_sequence_length=spec["max_seq"],
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False,
+                    share_embeddings_and_output_weights=not spec["untie"],
+                    position_embedding_type=spec["position_embedding_type"])
+
+
+def pipeline_logits(model, tokens: torch.Tensor):
+    """Forward by hand through the stages; the last stage's logits, None elsewhere."""
+    from megatron.core import parallel_state
+
+    positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+            dist.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        output = model(tokens, positions, None)
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(output.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+    return output.float().numpy()  # by value: a tensor would be passed as a shared-memory handle
+
+
+def load_here(rank: int, world: int, pp: int, checkpoints: dict[str, str]) -> dict:
+    """At tp 1 x pp ``pp``: load each (model, format) checkpoint and return the logits."""
+    from megatron.core import parallel_state
+    from megatron.training.checkpoint.formats import open_checkpoint
+    from megatron.training.checkpoint.model_loading import load_model_tensors
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    found = {}
+    for label, path in checkpoints.items():
+        model = our_model(MODELS[label.split("/")[0]], 1, pp)
+        load_model_tensors([model], open_checkpoint(path))
+        found[label] = pipeline_logits(model, torch.tensor(TOKENS))
+    return found
+
+
+def save_here(rank: int, world: int, out: str) -> dict:
+    """At tp 2 x pp 2: save each model as torch_dist and return its logits."""
+    from megatron.core import parallel_state
+    from megatron.training.checkpoint.dist_save import save_torch_dist
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=2)
+    found = {}
+    for label, spec in MODELS.items():
+        model = our_model(spec, 2, 2)
+        save_torch_dist([model], os.path.join(out, label), iteration=3, args=spec["args"],
+                        consumed_samples=0, scheduler_state=None)
+        logits = pipeline_logits(model, torch.tensor(TOKENS))
+        found[label] = logits if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    return found
+
+
+def last_stage(results: list[dict]) -> dict[str, torch.Tensor]:
+    return {label: torch.from_numpy(logits) for result in results
+            for label, logits in result.items() if logits is not None}
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor, label: str) -> None:
+    error = float((actual - expected).abs().max() / expected.abs().max())
+    assert error <= RTOL, f"{label}: largest difference {error:.3g} of the largest logit"
+
+
+@pytest.fixture(scope="module")
+def upstream_saved(upstream_site, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("upstream-saved")
+    run_upstream(upstream_site, 4, {"action": "save", "tp": 2, "pp": 2, "models": MODELS,
+                                    "tokens": TOKENS, "out": str(out)})
+    return out
+
+
+@pytest.mark.parametrize("pp", [1, 4])
+def test_upstream_tp2_pp2_checkpoints_load_here(upstream_saved, pp):
+    checkpoints = {f"{label}/{fmt}": str(upstream_saved / label / fmt)
+                   for label in MODELS for fmt in ("torch", "torch_dist")}
+    logits = last_stage(run_ranks(load_here, pp, args=(pp, checkpoints), timeout_s=120))
+    assert sorted(logits) == sorted(checkpoints)
+    for label, found in logits.items():
+        expected = torch.load(upstream_saved / label.split("/")[0] / "logits.pt")
+        assert_same_logits(found, expected, f"{label} at pp {pp}")
+
+
+def test_upstream_loads_our_tp2_pp2_torch_dist_at_tp1(upstream_site, tmp_path):
+    ours = last_stage(run_ranks(save_here, 4, args=(str(tmp_path / "ours"),), timeout_s=120))
+    out = tmp_path / "upstream"
+    run_upstream(upstream_site, 1, {"action": "load", "tp": 1, "pp": 1, "models": MODELS,
+                                    "tokens": TOKENS, "load": str(tmp_path / "ours"),
+                                    "out": str(out)})
+    for label in MODELS:
+        assert_same_logits(torch.load(out / label / "logits.pt"), ours[label], label)
