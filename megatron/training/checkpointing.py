@@ -29,7 +29,6 @@ import os
 import random
 import resource
 import shutil
-from typing import Optional
 
 import numpy as np
 import torch
@@ -40,7 +39,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.dist_save import save_torch_dist
 from megatron.training.checkpoint.errors import CheckpointError
-from megatron.training.checkpoint.formats import detect_format
+from megatron.training.checkpoint.formats import (
+    TRACKER,
+    detect_format,
+    open_checkpoint,
+    tracked_iteration_dir,
+)
+from megatron.training.checkpoint.model_loading import load_model_tensors
+from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import (
     OptimizerStateError,
     apply_group_settings,
@@ -49,24 +55,12 @@ from megatron.training.checkpoint.optimizer_state import (
     optimizer_state_to_save,
 )
 from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
-from megatron.training.checkpoint.model_tensors import (
-    VOCAB_PARALLEL,
-    join_shape,
-    join_shards,
-    model_tensors,
-    my_shard,
-)
+from megatron.training.checkpoint.model_tensors import join_shards, model_tensors
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # 2: optimizer state under layout-free names (1: per-rank files, loadable at the same layout).
 FORMAT_VERSION = 2
-# Arguments that fix the shape of the model: a checkpoint only loads where they agree.
-MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "kv_channels", "normalization", "swiglu",
-                    "add_bias_linear", "add_qkv_bias", "position_embedding_type",
-                    "untie_embeddings_and_output_weights", "max_position_embeddings")
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "data_parallel_size",
                "use_distributed_optimizer", "fp16", "bf16")
@@ -140,12 +134,14 @@ def _write_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     if rank == 0:
         _remove_partials(args.save)
-        os.makedirs(os.path.join(partial, "rng"))
+        os.makedirs(partial)
+        if args.ckpt_format != "torch_dist":
+            os.makedirs(os.path.join(partial, "rng"))
     _barrier()
 
+    saved_args = {k: v for k, v in vars(args).items() if _plain(v)}
     if args.ckpt_format == "torch_dist":  # upstream's format: model and scheduler only
-        save_torch_dist(model, partial, iteration=iteration,
-                        args={k: v for k, v in vars(args).items() if _plain(v)},
+        save_torch_dist(model, partial, iteration=iteration, args=saved_args,
                         consumed_samples=consumed_samples,
                         scheduler_state=opt_param_scheduler.state_dict())
     else:
@@ -166,7 +162,7 @@ def _write_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                         "consumed_samples": consumed_samples,
                         "opt_param_scheduler": opt_param_scheduler.state_dict(),
                         **optimizer_common,
-                        "args": {k: v for k, v in vars(args).items() if _plain(v)}},
+                        "args": saved_args},
                        os.path.join(partial, "common.pt"))
     _barrier()
     integrity.write_manifest(partial)
@@ -208,51 +204,35 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _latest_iteration(root: str) -> Optional[int]:
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker} should hold an iteration number, found {text!r}")
-    return int(text)
-
-
 def _check_compatible(saved: dict, args, path: str) -> bool:
     """Raise unless the model shapes agree; return whether the parallel layout is the same."""
-    for name in MODEL_SHAPE_ARGS:
-        if name in saved and saved[name] != getattr(args, name):
-            flag = "--" + name.replace("_", "-")
-            raise CheckpointError(f"checkpoint {path} was saved with {flag} {saved[name]}, this "
-                                  f"run has {getattr(args, name)}: the model shapes differ")
+    difference = shape_difference(saved, args)
+    if difference:
+        raise CheckpointError(f"checkpoint {path} is of another model shape: {difference}")
     return all(saved.get(name) == getattr(args, name) for name in LAYOUT_ARGS)
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
     """Restore from ``--load``; returns (iteration, consumed samples), (0, 0) if none there."""
     args = get_args()
-    iteration = _latest_iteration(args.load)
-    if iteration is None:
+    path = tracked_iteration_dir(args.load)
+    if path is None:
         print_rank_0(f"WARNING: no {TRACKER} in {args.load}: starting from scratch")
         return 0, 0
-    path = checkpoint_dir(args.load, iteration)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{os.path.join(args.load, TRACKER)} names iteration {iteration}, "
-                              f"but {path} does not exist")
+        name = os.path.basename(path)
+        named = f"iteration {int(name[5:])}" if name.startswith("iter_") else repr(name)
+        raise CheckpointError(f"{os.path.join(args.load, TRACKER)} names {named}, but {path} "
+                              f"does not exist")
     if detect_format(path) != "layout_free":  # upstream's torch or torch_dist
         return load_upstream_checkpoint(model, optimizer, path, args)
     if not integrity.verify_checkpoint(path):
         print_rank_0(f"WARNING: checkpoint {path} has no {integrity.MANIFEST} (saved before "
                      f"manifests were written): its files are not checked")
-    common_file = os.path.join(path, "common.pt")
-    try:
-        common = torch.load(common_file, weights_only=False)
-    except Exception as error:  # a damaged file fails in zip, pickle or torch's own types
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise CheckpointError(f"checkpoint file {common_file} is unreadable or corrupt "
-                              f"({type(error).__name__}: {reason})") from None
-    same_layout = _check_compatible(common["args"], args, path)
-    _load_model(model, path)
+    source = open_checkpoint(path)
+    common, iteration = source.common, source.iteration
+    same_layout = _check_compatible(source.args, args, path)
+    load_model_tensors(model, source)
     optimizer.reload_model_params()
     if args.finetune:
         print_rank_0(f"  loaded model weights from {path} for finetuning (iteration 0)")
@@ -291,39 +271,3 @@ def _load_optimizer(path: str, common: dict, model, optimizer, same_layout: bool
     apply_group_settings(optimizer, common.get("param_group_settings", []))
     if getattr(optimizer, "grad_scaler", None) is not None and "grad_scaler" in common:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
-
-
-def _load_model(model, path: str) -> None:
-    location = os.path.join(path, "model")
-    try:
-        saved = dcp.FileSystemReader(location).read_metadata().state_dict_metadata
-    except Exception as error:  # missing or unreadable metadata
-        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read the "
-                              f"model's metadata ({str(error).splitlines()[0]})") from None
-    entries = model_tensors(model)
-    targets = {}
-    for name, tensor, param in entries:
-        if name not in saved:
-            raise CheckpointError(f"checkpoint {path} has no weights for {name}; it was saved "
-                                  f"from another model")
-        shape, expected = list(saved[name].size), list(join_shape(tensor, param))
-        vocab_padding_only = name in VOCAB_PARALLEL and shape[1:] == expected[1:]
-        if shape != expected and not vocab_padding_only:
-            raise CheckpointError(f"checkpoint {path} holds {name} with shape {shape}, this "
-                                  f"model expects {expected}")
-        targets[name] = torch.empty(shape, dtype=tensor.dtype)
-    try:
-        dcp.load(targets, checkpoint_id=location)
-    except Exception as error:  # DCP reports unreadable files in its own exception types
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(f"cannot load the model weights of {path}: {reason}") from None
-    with torch.no_grad():
-        for name, tensor, param in entries:
-            whole = targets[name]
-            if whole.shape != join_shape(tensor, param):
-                # Vocabulary padded to another size: keep this model's rows past the common ones.
-                current = join_shards(tensor.detach(), param).cpu()
-                rows = min(current.shape[0], whole.shape[0])
-                current[:rows] = whole[:rows]
-                whole = current
-            tensor.copy_(my_shard(whole, param).to(tensor.device))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tests.launcher import free_port, run_ranks
-from tests.upstream.upstream_harness import HarnessError, unpack_wheel
+from tests.upstream.upstream_harness import HarnessError, run_with_deadline, unpack_wheel
 
 pytestmark = pytest.mark.upstream
 
@@ -93,23 +93,9 @@ def run_upstream(site: Path, world: int, command: dict) -> None:
     env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     logs = [out / f"rank{rank}.log" for rank in range(world)]
-    processes = []
-    try:
-        for rank, log in enumerate(logs):
-            with open(log, "w") as stream:
-                processes.append(subprocess.Popen(
-                    [sys.executable, str(RANK_SCRIPT), json.dumps(command)],
-                    env={**env, "RANK": str(rank)}, cwd=RANK_SCRIPT.parent, stdout=stream,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        give_up_at = time.monotonic() + DEADLINE_S
-        while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):
-            time.sleep(0.1)
-        codes = [p.poll() for p in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
+    codes = run_with_deadline([sys.executable, str(RANK_SCRIPT), json.dumps(command)],
+                              [{**env, "RANK": str(rank)} for rank in range(world)], logs,
+                              give_up_at=time.monotonic() + DEADLINE_S)
     if codes != [0] * world:
         tails = "\n".join(f"rank {r}: " + "\n".join(log.read_text().splitlines()[-15:])
                           for r, log in enumerate(logs))

@@ -127,6 +127,29 @@ class LaunchOutcome:
         return "\n".join(lines)
 
 
+def run_with_deadline(command: list[str], rank_envs: list[dict], log_paths: list[Path], *,
+                      give_up_at: float) -> list[Optional[int]]:
+    """One process per environment, output to its log; exit codes, None for a process killed
+    (by the pid started here) at ``give_up_at`` (time.monotonic())."""
+    processes: list[subprocess.Popen] = []
+    try:
+        for env, log_path in zip(rank_envs, log_paths):
+            with open(log_path, "w") as log:
+                processes.append(subprocess.Popen(
+                    command, env=env, cwd=RANK_SCRIPT.parent,
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                ))
+        while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):
+            time.sleep(0.1)
+        return [p.poll() for p in processes]
+    finally:
+        # Also on an interrupt of the test itself: no rank outlives its launch.
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+
+
 def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str], out: Path,
            deadline_s: float, num_microbatches: Optional[int] = None,
            backend: str = "gloo") -> LaunchOutcome:
@@ -164,23 +187,8 @@ def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str],
             rank, pipeline_size, int(env["MASTER_PORT"]))} for rank in range(pipeline_size)]
 
     log_paths = [out / f"rank{rank}.log" for rank in range(pipeline_size)]
-    processes: list[subprocess.Popen] = []
-    try:
-        for rank, log_path in enumerate(log_paths):
-            with open(log_path, "w") as log:
-                processes.append(subprocess.Popen(
-                    command, env={**env, **rank_env[rank]}, cwd=RANK_SCRIPT.parent,
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                ))
-        while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):
-            time.sleep(0.1)
-        exit_codes = [p.poll() for p in processes]
-    finally:
-        # Also on an interrupt of the test itself: no rank outlives its launch.
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
+    exit_codes = run_with_deadline(command, [{**env, **extra} for extra in rank_env], log_paths,
+                                   give_up_at=give_up_at)
     timed_out = any(code is None for code in exit_codes)
 
     outcome = LaunchOutcome(exit_codes, timed_out, [path.read_text() for path in log_paths])

@@ -27,11 +27,13 @@ def is_layout_free_checkpoint(path: str) -> bool:
 
 
 def read_common(path: str) -> dict:
+    common_file = os.path.join(path, COMMON_FILE)
     try:
-        return torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
-    except (OSError, RuntimeError, EOFError) as error:
-        raise CheckpointFormatError(f"checkpoint {path} is incomplete or corrupt: cannot read "
-                                    f"{COMMON_FILE} ({error})") from None
+        return torch.load(common_file, weights_only=False)
+    except Exception as error:  # a damaged file fails in zip, pickle or torch's own types
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CheckpointFormatError(f"checkpoint file {common_file} is unreadable or corrupt "
+                                    f"({type(error).__name__}: {reason})") from None
 
 
 class LayoutFreeSource(CheckpointSource):
