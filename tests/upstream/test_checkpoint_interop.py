@@ -25,8 +25,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launcher import free_port, run_ranks
-from tests.upstream.upstream_harness import HarnessError, run_with_deadline, unpack_wheel
+from tests.launcher import run_ranks
+from tests.upstream.upstream_harness import (
+    HarnessError,
+    run_with_deadline,
+    unpack_wheel,
+    upstream_environment,
+)
 
 pytestmark = pytest.mark.upstream
 
@@ -88,10 +93,7 @@ def run_upstream(site: Path, world: int, command: dict) -> None:
     """``upstream_checkpoint_rank.py`` on ``world`` gloo ranks; fails with the logs' tails."""
     out = Path(command["out"])
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTHON", "MASTER_", "RANK", "WORLD_SIZE"))}
-    env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    env = upstream_environment([site], world)
     logs = [out / f"rank{rank}.log" for rank in range(world)]
     codes = run_with_deadline([sys.executable, str(RANK_SCRIPT), json.dumps(command)],
                               [{**env, "RANK": str(rank)} for rank in range(world)], logs,

@@ -127,6 +127,26 @@ class LaunchOutcome:
         return "\n".join(lines)
 
 
+def upstream_environment(python_path: list[Path], world_size: int) -> dict[str, str]:
+    """The environment of upstream ranks: this process's, less what would steer them (Python
+    paths, rendezvous, and the NVTE_* attention switches tests here may have exported, which
+    upstream's GPTModel checks), with a fresh rendezvous on 127.0.0.1."""
+    env = {
+        key: value for key, value in os.environ.items()
+        if not key.startswith(("PYTHON", "PYTEST", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                               "NVTE_"))
+    }
+    env.update(
+        PYTHONPATH=os.pathsep.join(str(path) for path in python_path),
+        PYTHONDONTWRITEBYTECODE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
 def run_with_deadline(command: list[str], rank_envs: list[dict], log_paths: list[Path], *,
                       give_up_at: float) -> list[Optional[int]]:
     """One process per environment, output to its log; exit codes, None for a process killed
@@ -159,18 +179,7 @@ def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str],
     of ``tools/launch_nccl_ranks.py``), with CUDA tensors and no CPU shims.
     """
     out.mkdir(parents=True, exist_ok=True)
-    env = {
-        key: value for key, value in os.environ.items()
-        if not key.startswith(("PYTHON", "PYTEST", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    }
-    env.update(
-        PYTHONPATH=os.pathsep.join(str(path) for path in python_path),
-        PYTHONDONTWRITEBYTECODE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(pipeline_size),
-        OMP_NUM_THREADS="1",
-    )
+    env = upstream_environment(python_path, pipeline_size)
     give_up_at = time.monotonic() + deadline_s
     command = [sys.executable, str(RANK_SCRIPT), "--pipeline-size", str(pipeline_size),
                "--out", str(out), "--deadline-at", str(time.time() + deadline_s)]
