@@ -29,6 +29,7 @@ import os
 import random
 import resource
 import shutil
+from typing import Optional
 
 import numpy as np
 import torch
@@ -70,28 +71,55 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     consumed_samples: int) -> None:
     """Write checkpoint ``iteration`` under --save. Where writing fails (a full disk), every rank
-    that sees it raises a one-line CheckpointError and the tracker keeps naming the last
-    complete checkpoint."""
+    raises the same one-line CheckpointError and the tracker keeps naming the last complete
+    checkpoint."""
     args = get_args()
+    final = checkpoint_dir(args.save, iteration)
+    partial = final + ".partial"
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
+    # Each step ends with the ranks agreeing it succeeded everywhere, so a rank whose write
+    # failed never leaves the others waiting in the next step's collectives.
+    steps = (
+        lambda: _prepare(partial, args) if first else None,
+        lambda: _write_state(partial, iteration, model, optimizer, opt_param_scheduler,
+                             consumed_samples),
+        lambda: integrity.write_manifest(partial),
+        lambda: _publish(partial, final, args.save, iteration) if first else None,
+    )
+    for step in steps:
+        failure = _failure_anywhere(step)
+        if failure is not None:
+            if first:
+                shutil.rmtree(partial, ignore_errors=True)  # give the space back
+            raise CheckpointError(
+                f"cannot write checkpoint {partial}: the disk is full or the write failed "
+                f"({failure}; {_free_space(args.save)}); "
+                f"{os.path.join(args.save, TRACKER)} still names the last complete checkpoint")
+    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d}")
+
+
+def _failure_anywhere(step) -> Optional[str]:
+    """Run ``step`` here; the first rank's reason where it failed on any rank, else None."""
+    mine = None
     try:
-        _write_checkpoint(iteration, model, optimizer, opt_param_scheduler, consumed_samples)
+        step()
     except (OSError, RuntimeError, CheckpointException) as error:
-        partial = checkpoint_dir(args.save, iteration) + ".partial"
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # give the space back
-        raise CheckpointError(
-            f"cannot write checkpoint {partial}: the disk is full or the write failed "
-            f"({_first_cause(error)}; {_free_space(args.save)}); "
-            f"{os.path.join(args.save, TRACKER)} still names the last complete checkpoint"
-        ) from None
+        # torch.save reports a failed write as a RuntimeError of its stream writer; any other
+        # RuntimeError is a bug, not a full disk.
+        if isinstance(error, RuntimeError) and "PytorchStreamWriter" not in str(error):
+            raise
+        mine = _first_cause(error)
+        if not isinstance(error, CheckpointException):  # which names the rank already
+            mine = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {mine}"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return next((cause for cause in everyone if cause is not None), None)
 
 
 def _first_cause(error: BaseException) -> str:
@@ -125,57 +153,53 @@ def _remove_partials(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _write_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
-                      consumed_samples: int) -> None:
-    args = get_args()
-    final = checkpoint_dir(args.save, iteration)
-    partial = final + ".partial"
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
-    if rank == 0:
-        _remove_partials(args.save)
-        os.makedirs(partial)
-        if args.ckpt_format != "torch_dist":
-            os.makedirs(os.path.join(partial, "rng"))
-    _barrier()
+def _prepare(partial: str, args) -> None:
+    _remove_partials(args.save)
+    os.makedirs(partial)
+    if args.ckpt_format != "torch_dist":
+        os.makedirs(os.path.join(partial, "rng"))
 
+
+def _write_state(partial: str, iteration: int, model, optimizer, opt_param_scheduler,
+                 consumed_samples: int) -> None:
+    args = get_args()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     saved_args = {k: v for k, v in vars(args).items() if _plain(v)}
     if args.ckpt_format == "torch_dist":  # upstream's format: model and scheduler only
         save_torch_dist(model, partial, iteration=iteration, args=saved_args,
                         consumed_samples=consumed_samples,
                         scheduler_state=opt_param_scheduler.state_dict())
-    else:
-        state = {name: join_shards(tensor.detach(), param).cpu()
-                 for name, tensor, param in model_tensors(model)}
-        dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
-        optimizer_common = {}
-        if not args.no_save_optim:
-            dcp.save(optimizer_state_to_save(model, optimizer),
-                     checkpoint_id=os.path.join(partial, "optimizer"))
-            optimizer_common["param_group_settings"] = group_settings(optimizer)
-            if getattr(optimizer, "grad_scaler", None) is not None:
-                optimizer_common["grad_scaler"] = optimizer.grad_scaler.state_dict()
-        if not args.no_save_rng:
-            torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
-        if rank == 0:
-            torch.save({"format_version": FORMAT_VERSION, "iteration": iteration,
-                        "consumed_samples": consumed_samples,
-                        "opt_param_scheduler": opt_param_scheduler.state_dict(),
-                        **optimizer_common,
-                        "args": saved_args},
-                       os.path.join(partial, "common.pt"))
-    _barrier()
-    integrity.write_manifest(partial)
+        return
+    state = {name: join_shards(tensor.detach(), param).cpu()
+             for name, tensor, param in model_tensors(model)}
+    dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
+    optimizer_common = {}
+    if not args.no_save_optim:
+        dcp.save(optimizer_state_to_save(model, optimizer),
+                 checkpoint_id=os.path.join(partial, "optimizer"))
+        optimizer_common["param_group_settings"] = group_settings(optimizer)
+        if getattr(optimizer, "grad_scaler", None) is not None:
+            optimizer_common["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    if not args.no_save_rng:
+        torch.save(_rng_state(), os.path.join(partial, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        tracker = os.path.join(args.save, TRACKER)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker + ".tmp", tracker)
-    _barrier()
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d}")
+        torch.save({"format_version": FORMAT_VERSION, "iteration": iteration,
+                    "consumed_samples": consumed_samples,
+                    "opt_param_scheduler": opt_param_scheduler.state_dict(),
+                    **optimizer_common,
+                    "args": saved_args},
+                   os.path.join(partial, "common.pt"))
+
+
+def _publish(partial: str, final: str, root: str, iteration: int) -> None:
+    """Make the checkpoint the latest: rename it into place, then replace the tracker."""
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    tracker = os.path.join(root, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+    os.replace(tracker + ".tmp", tracker)
 
 
 def _plain(value) -> bool:

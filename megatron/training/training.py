@@ -42,9 +42,10 @@ from megatron.training.timers import Timers
 from megatron.training.utils import print_rank_0, print_rank_last
 
 
-def _checkpoint_errors_end_the_run(run: Callable) -> Callable:
+def _failures_end_the_run(run: Callable) -> Callable:
     """A checkpoint that cannot be loaded (bad files) or written (a full disk) ends the run with
-    its one-line reason and exit code 2, as bad input does, instead of a deep traceback."""
+    its one-line reason and exit code 2, as bad input does, instead of a deep traceback. Any
+    other error writes the p2p flight record first (a peer that died fails a collective too)."""
     @functools.wraps(run)
     def guarded(*args, **kwargs):
         try:
@@ -52,10 +53,18 @@ def _checkpoint_errors_end_the_run(run: Callable) -> Callable:
         except checkpointing.CheckpointError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        except Exception as error:
+            path = flight_recorder.get_flight_recorder().dump_for_error(error)
+            if path is not None:
+                print(f"p2p flight recorder: the run ended with {type(error).__name__}; flight "
+                      f"record: {path}; run `python tools/diagnose_hang.py "
+                      f"{os.path.dirname(path)}` once every rank has written its record",
+                      file=sys.stderr, flush=True)
+            raise
     return guarded
 
 
-@_checkpoint_errors_end_the_run
+@_failures_end_the_run
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
              model_type: ModelType, forward_step_func: Callable,
              process_non_loss_data_func: Optional[Callable] = None,
@@ -103,6 +112,17 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     if test_iterator is not None and args.eval_iters > 0:
         evaluate_and_print_results("test", forward_step_func, test_iterator, model, iteration,
                                    process_non_loss_data_func, config)
+    _leave_together()
+
+
+def _leave_together() -> None:
+    """End every rank's process groups once all ranks are done: a rank whose connections close
+    while a peer's transport threads still read from them can abort that peer at exit."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def preflight_pipeline_check(args) -> None:

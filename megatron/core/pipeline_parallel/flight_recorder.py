@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable, Optional
 
 HANG_EXIT_CODE = 3
+RUN_FAILED = "the run failed outside p2p: "  # how a record written for such an error begins
 DEFAULT_CAPACITY = 4096
 
 
@@ -163,6 +164,16 @@ class FlightRecorder:
         if self.dump_dir is None:
             return None
         return self.dump(self.dump_dir, reason=reason)
+
+    def dump_for_error(self, error: BaseException) -> Optional[str]:
+        """Write the record for an error that ends the run, where the pipeline ran and nothing
+        wrote one yet: a collective that failed because a peer died says nothing about p2p, and
+        a SIGTERM that arrives once the interpreter is shutting down finds no handler."""
+        if self.last_dump is not None or not self.records():
+            return None
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return self.dump_after_failure(
+            f"{RUN_FAILED}{type(error).__name__}: {first_line}".rstrip(": "))
 
 
 _RECORDER = FlightRecorder()

@@ -15,6 +15,8 @@ import json
 import os
 from typing import Optional
 
+from megatron.core.pipeline_parallel.flight_recorder import RUN_FAILED
+
 
 def load_dumps(directory: str) -> dict[int, dict]:
     dumps = {}
@@ -96,8 +98,19 @@ def diagnose(dumps: dict[int, dict], expected_ranks: Optional[list[int]] = None)
         if waiters:
             lines.append(f"rank {rank} wrote no flight record: it died or never reached the "
                          f"pipeline; {_ranks(waiters)} waiting on it")
+    # A rank that failed in a collective (the others' transport reported a lost peer) points
+    # at the silent ranks as much as a p2p wait does, without saying which of them.
+    failed = {rank: dumps[rank]["reason"] for rank in ranks
+              if str(dumps[rank].get("reason", "")).startswith(RUN_FAILED)}
     for rank, waiters in silent.items():
-        if not waiters:
+        if waiters:
+            continue
+        if failed:
+            first = min(failed)
+            lines.append(f"rank {rank} wrote no flight record: it died or never reached the "
+                         f"pipeline; no p2p operation waited on it, but rank {first}'s record "
+                         f"says {failed[first][:300]}")
+        else:
             lines.append(f"no flight record from rank {rank}: it exited, never hung, or wrote "
                          f"elsewhere; what it last did is unknown")
 
