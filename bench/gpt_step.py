@@ -11,7 +11,12 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
 * ``mcore``: megatron-core's ``GPTModel`` with its local spec, run from ``--mcore-path`` in a
   process that cannot see this tree (both are the package ``megatron``); without apex or
   Transformer Engine it uses its unfused attention, as a user without them gets;
-* ``torch``: a plain PyTorch GPT of the same shape on ``scaled_dot_product_attention``.
+* ``torch``: a plain PyTorch GPT of the same shape on ``scaled_dot_product_attention``;
+* ``torch-amp``: the same plain GPT with fp32 parameters under bf16 autocast, clipped to norm
+  1 (fp32 master weights, gradients and Adam state, as the trainer keeps them);
+* ``trainer`` and ``trainer-distopt``: ``pretrain_gpt.py``'s own step (``megatron.training``'s
+  loop, DDP gradient buffers, the bf16 optimizer with fp32 main parameters, clipping, the log
+  line with ``--log-throughput``), without and with ``--use-distributed-optimizer``.
 
 ``--torch-compile`` adds compiled variants of ours and plain torch. Each implementation runs
 in its own process; the step time is the median of ``--steps`` steps after ``--warmup``.
@@ -33,6 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
+# pretrain_gpt.py's own step; the value: whether the distributed optimizer is on.
+TRAINERS = {"trainer": False, "trainer-distopt": True}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,9 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--impls", default="ours,mcore,torch",
-                        help="comma-separated subset of ours, mcore, torch, and ours-unfused (no "
-                        "fusions) or ours-act (only the bias-activation fusion)")
+    parser.add_argument("--impls", default="ours,trainer,trainer-distopt,mcore,torch,torch-amp",
+                        help="comma-separated subset of ours, trainer, trainer-distopt, mcore, "
+                        "torch, torch-amp, and ours-unfused (no fusions) or ours-act (only the "
+                        "bias-activation fusion)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="also run ours and plain torch under torch.compile")
     parser.add_argument("--mcore-path", type=Path,
@@ -56,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
     parser.add_argument("--profile", type=Path,
                         help="write a kernel-time table of one step of each run into this folder")
+    parser.add_argument("--trainer-args", default="",
+                        help="more pretrain_gpt.py flags for the trainer rows, e.g. "
+                        "'--clip-grad 0'")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -113,7 +124,9 @@ def build_mcore(args, torch):
         tokens, positions, None, labels=labels).mean()
 
 
-def build_torch(args, torch):
+def build_torch(args, torch, amp=False):
+    """bf16 parameters, or (``amp``) fp32 ones under bf16 autocast, the usual plain-PyTorch
+    mixed precision: fp32 master weights and gradients, as the trainer keeps them."""
     nn, F = torch.nn, torch.nn.functional
     h, heads = args.hidden_size, args.num_attention_heads
 
@@ -148,17 +161,130 @@ def build_torch(args, torch):
             logits = self.output(self.norm(x))
             return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
-    model = GPT().to(device="cuda", dtype=torch.bfloat16)
-    return model, model
+    model = GPT().to(device="cuda", dtype=torch.float32 if amp else torch.bfloat16)
+    if not amp:
+        return model, model
+
+    def step_loss(tokens, positions, labels):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(tokens, positions, labels)
+    return model, step_loss
+
+
+def write_profile(args, torch, run) -> None:
+    """Kernel tables of ``run`` (one or more steps), and how much of its wall time the GPU
+    was busy: where kernels wait on the host, busy time falls short of the wall."""
+    args.profile.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach = 0.0, -math.inf
+    for begin, end in kernels:  # the union of kernel intervals, in microseconds
+        busy += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    tables = [f"wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, {len(kernels)} kernels",
+              prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40),
+              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)]
+    (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
+
+
+def trainer_argv(args, distributed_optimizer: bool) -> list[str]:
+    """pretrain_gpt.py's flags for the bench's shape: bf16 with fp32 main parameters and
+    gradients, gradient clipping, Adam, one micro-batch per step."""
+    argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.num_attention_heads),
+            "--seq-length", str(args.seq_length),
+            "--max-position-embeddings", str(args.seq_length),
+            "--micro-batch-size", str(args.micro_batch_size),
+            "--global-batch-size", str(args.micro_batch_size),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab_size - 1),
+            "--position-embedding-type", "learned_absolute",
+            "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--bf16", "--lr", "1e-4", "--clip-grad", "1.0",
+            "--transformer-impl", "local", "--mock-data", "--log-throughput",
+            "--train-iters", str(args.warmup + args.steps), "--log-interval", str(args.steps),
+            "--eval-iters", "0", "--distributed-backend", "nccl"]
+    return (argv + (["--use-distributed-optimizer"] if distributed_optimizer else [])
+            + args.trainer_args.split())
+
+
+def run_trainer_worker(args, distributed_optimizer: bool) -> dict:
+    """The step exactly as pretrain_gpt.py runs it on one GPU: DDP gradient buffers, the
+    mixed-precision optimizer with clipping, loss averaging, timers and the log line."""
+    import contextlib
+    import io
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+    from megatron.training import get_args, training
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.timers import Timers
+
+    initialize_megatron(argv=trainer_argv(args, distributed_optimizer))
+    timers = Timers(log_level=1)
+    model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
+    config = training.step_config(model, optimizer, timers)
+    generator = torch.Generator().manual_seed(1)
+    shape = (args.micro_batch_size, args.seq_length)
+    batch = {"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
+             "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
+             "loss_mask": torch.ones(shape),
+             "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}
+    batch = {key: value.pin_memory() for key, value in batch.items()}
+
+    def batches():
+        while True:
+            yield batch
+
+    def train(iteration: int, last: int) -> tuple[float, str]:
+        get_args().train_iters = last
+        log = io.StringIO()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(log):
+            training.train(pretrain_gpt.forward_step, model, optimizer, scheduler, batches(),
+                           None, None, config, iteration, 0, timers)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / (last - iteration), log.getvalue()
+
+    train(0, args.warmup)
+    torch.cuda.reset_peak_memory_stats()
+    step_s, log = train(args.warmup, args.warmup + args.steps)
+    if args.profile:
+        last = args.warmup + args.steps
+        write_profile(args, torch, lambda: train(last, last + 2))
+    logged = [line for line in log.splitlines() if "throughput per GPU" in line]
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in logged]
+    return {
+        "parameters": sum(p.numel() for chunk in model for p in chunk.parameters()),
+        "step_s": step_s, "step_s_min": step_s, "first_loss": losses[0], "last_loss": losses[-1],
+        "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    }
 
 
 def run_worker(args) -> dict:
     import torch
 
     impl, compiled = args.worker.split(":")
+    if impl in TRAINERS:
+        return {"impl": impl, "compiled": False, **run_trainer_worker(args, TRAINERS[impl])}
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     builders = {"ours": build_ours, "mcore": build_mcore, "torch": build_torch,
+                "torch-amp": lambda *a: build_torch(*a, amp=True),
                 "ours-unfused": lambda *a: build_ours(*a, False, False),
                 "ours-act": lambda *a: build_ours(*a, True, False)}
     model, step_loss = builders[impl](args, torch)
@@ -176,6 +302,8 @@ def run_worker(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss = step_loss(tokens, positions, labels)
         loss.backward()
+        if impl == "torch-amp":  # the trainer's --clip-grad 1.0
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0, foreach=True)
         optimizer.step()
         return loss
 
@@ -190,16 +318,7 @@ def run_worker(args) -> dict:
         if index >= args.warmup:
             times.append(start.elapsed_time(end) / 1e3)
     if args.profile:
-        args.profile.mkdir(parents=True, exist_ok=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                torch.profiler.ProfilerActivity.CPU],
-                                    record_shapes=True) as prof:
-            step()
-            torch.cuda.synchronize()
-        tables = [prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30),
-                  prof.key_averages(group_by_input_shape=True).table(
-                      sort_by="self_cuda_time_total", row_limit=40)]
-        (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
+        write_profile(args, torch, step)
     return {
         "impl": impl, "compiled": compiled == "compiled",
         "parameters": sum(p.numel() for p in parameters),
@@ -304,6 +423,19 @@ def main(argv=None) -> int:
     if args.torch_compile:
         print(at_least_line("ours/plain-torch tokens/s (compiled)",
                             throughput("ours:compiled") / throughput("torch:compiled"), 1.0))
+    for trainer in TRAINERS:
+        if f"{trainer}:eager" in results and "error" not in results[f"{trainer}:eager"]:
+            result = results[f"{trainer}:eager"]
+            print(at_least_line(f"{trainer}/ours tokens/s (trainer overhead)",
+                                throughput(f"{trainer}:eager") / throughput("ours:eager"), 0.98))
+            print(at_least_line(f"{trainer}/plain-torch tokens/s (eager)",
+                                throughput(f"{trainer}:eager") / throughput("torch:eager"), 1.05))
+            print(at_least_line(f"{trainer}/plain-torch-amp tokens/s (fp32 master weights)",
+                                throughput(f"{trainer}:eager") / throughput("torch-amp:eager"),
+                                1.05))
+            measured = flops / result["step_s"] / 1e12
+            print(f"{trainer} log line: {result['logged_tflops']:.1f} TFLOP/s/GPU, bench "
+                  f"{measured:.1f} ({100 * (result['logged_tflops'] / measured - 1):+.1f}%)")
     print(at_least_line("MFU ours (best)", 100 * best_ours * flops / tokens
                         / (args.peak_tflops * 1e12), 55.0, "%"))
     return 0

@@ -96,7 +96,8 @@ class ParallelismArgs:
     accumulate_allreduce_grads_in_fp32: bool = option(False, "reduce gradients in fp32 with "
                                                       "--fp16/--bf16")
     gradient_accumulation_fusion: bool = option(
-        True, "fused weight-gradient accumulation (needs NVIDIA apex or TE; turned off otherwise)",
+        True, "weight-gradient GEMMs accumulate into the fp32 main gradients (CUDA, local "
+        "layers; turned off otherwise)",
         negative=("--no-gradient-accumulation-fusion",))
 
 

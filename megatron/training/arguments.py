@@ -111,8 +111,11 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
         args.sequence_parallel = False
     # As upstream's CLI: overlapped p2p is unbatched, blocking p2p is batched.
     args.batch_p2p_comm = not args.overlap_p2p_comm
-    # Fused weight-gradient accumulation needs kernels this tree does not ship.
-    args.gradient_accumulation_fusion = False
+    # The weight-gradient GEMM accumulates into main_grad on CUDA with the local layers (torch's
+    # own GEMM; Transformer Engine's fused accumulation is left off, as nothing here tests it).
+    args.gradient_accumulation_fusion = (args.gradient_accumulation_fusion
+                                         and args.distributed_backend == "nccl"
+                                         and args.transformer_impl == "local")
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA devices and none is "
                             "visible; on CPU use --distributed-backend gloo")
@@ -123,6 +126,10 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
         raise ArgumentError("--fp16 and --bf16 are alternatives; give one")
     args.params_dtype = (torch.float16 if args.fp16 else
                          torch.bfloat16 if args.bf16 else torch.float32)
+    if args.bf16:
+        # As upstream: bf16's 8-bit mantissa drops small gradient contributions, so gradients
+        # are accumulated over microbatches and reduced in fp32 (also the optimizer's dtype).
+        args.accumulate_allreduce_grads_in_fp32 = True
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are alternatives")
     if args.ckpt_format == "torch" and args.save is not None:

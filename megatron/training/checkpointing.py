@@ -46,14 +46,14 @@ from megatron.training.checkpoint.formats import (
     open_checkpoint,
     tracked_iteration_dir,
 )
+from megatron.training.checkpoint.layout_free import LayoutFreeSource
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import (
-    OptimizerStateError,
-    apply_group_settings,
     group_settings,
-    load_optimizer_state,
     optimizer_state_to_save,
+    restore_optimizer,
+    restore_scheduler,
 )
 from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors
@@ -249,7 +249,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         raise CheckpointError(f"{os.path.join(args.load, TRACKER)} names {named}, but {path} "
                               f"does not exist")
     if detect_format(path) != "layout_free":  # upstream's torch or torch_dist
-        return load_upstream_checkpoint(model, optimizer, path, args)
+        return load_upstream_checkpoint(model, optimizer, opt_param_scheduler, path, args)
     if not integrity.verify_checkpoint(path):
         print_rank_0(f"WARNING: checkpoint {path} has no {integrity.MANIFEST} (saved before "
                      f"manifests were written): its files are not checked")
@@ -262,8 +262,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         print_rank_0(f"  loaded model weights from {path} for finetuning (iteration 0)")
         return 0, 0
     if not args.no_load_optim:
-        _load_optimizer(path, common, model, optimizer, same_layout)
-        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+        _load_optimizer(source, model, optimizer, same_layout)
+        restore_scheduler(opt_param_scheduler, source)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
     if not args.no_load_rng and same_layout and os.path.isfile(rng_file):
@@ -272,7 +272,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
     return iteration, common["consumed_samples"]
 
 
-def _load_optimizer(path: str, common: dict, model, optimizer, same_layout: bool) -> None:
+def _load_optimizer(source: LayoutFreeSource, model, optimizer, same_layout: bool) -> None:
+    path, common = source.path, source.common
     if common.get("format_version", 1) < 2:  # per-rank files of this layout
         if not same_layout:
             saved_layout = ", ".join(f"{n}={common['args'].get(n)}" for n in LAYOUT_ARGS)
@@ -283,15 +284,7 @@ def _load_optimizer(path: str, common: dict, model, optimizer, same_layout: bool
         optimizer.load_state_dict(torch.load(
             os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"), weights_only=False))
         return
-    location = os.path.join(path, "optimizer")
-    if not os.path.isdir(location):
+    if not source.optimizer_shapes():
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "
                               f"--no-save-optim): add --no-load-optim")
-    try:
-        load_optimizer_state(location, model, optimizer)
-    except OptimizerStateError as error:
-        raise CheckpointError(f"cannot load the optimizer state of {path}: {error}; add "
-                              f"--no-load-optim to start the optimizer afresh") from None
-    apply_group_settings(optimizer, common.get("param_group_settings", []))
-    if getattr(optimizer, "grad_scaler", None) is not None and "grad_scaler" in common:
-        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
+    restore_optimizer(source, model, optimizer)

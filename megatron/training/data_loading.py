@@ -88,6 +88,8 @@ def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> O
         dataset, batch_sampler=sampler, num_workers=args.num_workers,
         generator=torch.Generator().manual_seed(args.seed),
         collate_fn=lambda samples: collate(samples, pad_id=pad_id, multiple_of=multiple),
+        # Pinned pages let get_batch's copy to the GPU run without holding the host up.
+        pin_memory=args.distributed_backend == "nccl",
         persistent_workers=args.num_workers > 0)
 
 

@@ -89,14 +89,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     metrics_writers.start(args)  # a missing optional package warns here, not at iteration 1
     timers = Timers(log_level=1)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
-    config = get_model_config(model[0])
-    config.timers = timers
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    if len(model) == 1:
-        config.no_sync_func = config.no_sync_func[0]
-    if args.fp16:
-        config.grad_scale_func = optimizer.scale_loss
+    config = step_config(model, optimizer, timers)
 
     iteration, consumed = 0, 0
     if args.load:
@@ -189,6 +182,20 @@ def get_model(model_provider_func: Callable, model_type=ModelType.encoder_or_dec
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped
+
+
+def step_config(model: list, optimizer, timers: Timers):
+    """The model config as ``train_step`` needs it: how gradients are finished, synchronised
+    across microbatches and scaled."""
+    config = get_model_config(model[0])
+    config.timers = timers
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if len(model) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    if get_args().fp16:
+        config.grad_scale_func = optimizer.scale_loss
+    return config
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:

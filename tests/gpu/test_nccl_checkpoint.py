@@ -16,7 +16,6 @@ import torch
 from tests.distributed.test_resume import CROSS_LAYOUT_TOLERANCE, LAYOUTS, _read
 from tests.distributed.test_trainer import losses, small_gpt
 from tests.gpu.nccl_support import BACKEND, REPO, launch, needs
-from tests.gpu.test_nccl_trainer import data  # noqa: F401
 
 pytestmark = needs(BACKEND)
 

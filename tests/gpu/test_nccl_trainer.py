@@ -9,7 +9,6 @@ four one-GPU "nodes" that each start torchrun themselves, as on a cluster.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -40,14 +39,6 @@ LAYOUTS = {
             "--variable-seq-lengths"]),
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
 }
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quickstart-data")
-    subprocess.run([sys.executable, str(REPO / "tools" / "make_quickstart_data.py"), str(out)],
-                   check=True, capture_output=True, timeout=180)
-    return out
 
 
 def nccl_gpt(data, *extra):

@@ -36,7 +36,7 @@ def test_typed_configs_round_trip(world):
     args = validate_args(parsed("--pipeline-model-parallel-size", "2", "--sequence-parallel",
                                 "--tensor-model-parallel-size", "2"))
     parallel = config_from_args(args, ParallelismArgs)
-    # validate_args turns fused gradient accumulation off: its kernels are not part of this tree.
+    # validate_args turns fused gradient accumulation off on CPU (gloo): it is a CUDA GEMM's.
     assert parallel == ParallelismArgs(tensor_model_parallel_size=2,
                                        pipeline_model_parallel_size=2, sequence_parallel=True,
                                        gradient_accumulation_fusion=False)

@@ -224,6 +224,27 @@ def test_clipping_matches_clip_grad_norm_and_norms_match_torch():
         assert get_grad_norm_fp32(grads, norm_type) == pytest.approx(expected.item(), rel=1e-6)
 
 
+def test_clipping_inside_fused_adam_matches_clipping_first():
+    # With torch's fused AdamW the clip coefficient goes into its kernel (grad_scale), not a
+    # pass over the gradients; the update must be the one clipping first gives.
+    model, master = Dense(), Dense()
+    ours = ddp(model)
+    optimizer = FP32Optimizer(reference_adamw(model, fused=True), OptimizerConfig(clip_grad=0.05))
+    assert optimizer.optimizer._step_supports_amp_scaling
+    reference = reference_adamw(master)
+    for seed in range(3):
+        success, grad_norm, _ = train_step(ours, optimizer, batches(1, seed=seed))
+        reference.zero_grad()
+        loss_of(master, batches(1, seed=seed)[0]).backward()
+        expected_norm = torch.nn.utils.clip_grad_norm_(master.parameters(), 0.05).item()
+        reference.step()
+        assert success and grad_norm == pytest.approx(expected_norm, rel=1e-6)
+        assert expected_norm > 0.05, "the test must actually clip"
+        assert getattr(optimizer.optimizer, "grad_scale", None) is None  # one step only
+    # Dividing by 1/coefficient instead of multiplying: a float32 ulp or two.
+    assert max_diff(model, master) <= 5e-7
+
+
 def test_grad_stats_skip_shared_params_and_count_zeros():
     first, second, shared = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
     first.grad = torch.tensor([0.0, 1.0, 0.0, 2.0])

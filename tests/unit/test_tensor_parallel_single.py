@@ -174,10 +174,6 @@ def test_parameters_are_marked_even_without_initialisation():
 
 
 def test_unsupported_layer_features_are_rejected():
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
-        tp.ColumnParallelLinear(
-            4, 4, config=cpu_config(gradient_accumulation_fusion=True), init_method=init_normal
-        )
     with pytest.raises(ValueError, match="is_expert"):
         tp.RowParallelLinear(
             4, 4, config=cpu_config(), init_method=init_normal, bias=False,
@@ -191,13 +187,60 @@ def test_unsupported_layer_features_are_rejected():
         )
     x, w = torch.randn(2, 4), torch.randn(3, 4)
     linear = tp.linear_with_grad_accumulation_and_async_allreduce
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
-        linear(x, w, None, True, False, False)
     with pytest.raises(ValueError, match="grad_output_buffer"):
         linear(x, w, None, False, False, False, grad_output_buffer=[])
     with pytest.raises(ValueError, match="cannot be combined"):
         linear(x, w, None, False, True, True)
     close(linear(x, w, None, False, False, False), x @ w.t())
+
+
+def _with_main_grad(weight: torch.Tensor, dtype=torch.float32) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(weight.clone())
+    param.main_grad = torch.full(param.shape, 0.25, dtype=dtype)  # an earlier microbatch's
+    param.grad_added_to_main_grad = False
+    return param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gradient_accumulation_adds_the_weight_gradient_into_main_grad(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 4, dtype=dtype, requires_grad=True)
+    w, b = torch.randn(5, 4, dtype=dtype), torch.randn(5, dtype=dtype, requires_grad=True)
+    upstream = torch.randn(3, 2, 5, dtype=dtype)
+    linear = tp.linear_with_grad_accumulation_and_async_allreduce
+
+    plain = torch.nn.Parameter(w.clone())
+    linear(x, plain, b, False, False, False).backward(upstream)
+    expected_input_grad, expected_bias_grad = x.grad.clone(), b.grad.clone()
+    x.grad, b.grad = None, None
+
+    fused = _with_main_grad(w)
+    out = linear(x, fused, b, True, False, False)
+    close(out, F.linear(x, w, b))
+    out.backward(upstream)
+    # fp32 accumulation of the same products; bf16 operands round differently on the way.
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(fused.main_grad, 0.25 + plain.grad.float(), **tolerance)
+    assert fused.grad_added_to_main_grad
+    torch.testing.assert_close(x.grad, expected_input_grad)
+    torch.testing.assert_close(b.grad, expected_bias_grad)
+
+
+def test_layers_fuse_only_their_own_weight():
+    # A weight passed in (the output layer's tied embedding) also gets the embedding's gradient
+    # through autograd, so the layer must leave it to the data-parallel wrapper's hook.
+    config = cpu_config(gradient_accumulation_fusion=True)
+    layer = tp.ColumnParallelLinear(4, 6, config=config, init_method=init_normal, bias=False)
+    layer.weight.main_grad = torch.zeros(6, 4)
+    layer.weight.grad_added_to_main_grad = False
+    x = torch.randn(2, 4)
+    layer(x)[0].sum().backward()
+    assert layer.weight.grad_added_to_main_grad and layer.weight.main_grad.abs().sum() > 0
+
+    tied = _with_main_grad(torch.randn(6, 4))
+    layer(x, weight=tied)[0].sum().backward()
+    assert not tied.grad_added_to_main_grad and tied.grad is not None
+    close(tied.main_grad, torch.full((6, 4), 0.25))
 
 
 def test_state_dict_has_extra_state_and_loads_without_it():

@@ -8,6 +8,13 @@ same tokens. Then this tree saves ``torch_dist`` at tp 2 x pp 2 and upstream's
 Llama-like (RMSNorm, SwiGLU, rope, grouped-query attention, untied output, no biases) and
 GPT-2-like (LayerNorm, GeLU, learned positions, biases, tied output).
 
+Optimizer state: upstream trains each model a few Adam steps with its plain optimizers at
+tp 2 x pp 2 (fp32, and bf16 with fp32 main parameters) and with its distributed optimizer at
+tp 2 x dp 2, and saves as Megatron-LM does; ``--load`` here (fp32, pp 1 with the plain
+optimizer, pp 2 x dp 2 with the distributed one) must restore upstream's exp_avg, exp_avg_sq,
+fp32 main parameters, step and scheduler exactly, and ``pretrain_gpt.py --load`` of such a
+checkpoint trains on.
+
 The wheel comes from ``MEGATRON_CORE_WHEELS`` (a folder holding megatron_core-0.11.0-*.whl) or
 from the package registry; without either the tests skip.
 """
@@ -25,6 +32,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint.upstream_names import (
+    LAYER_PREFIX, layer_name, split_layer, to_local,
+)
 from tests.launcher import run_ranks
 from tests.upstream.upstream_harness import (
     HarnessError,
@@ -41,6 +52,15 @@ DEADLINE_S = 150.0
 # Both sides compute in fp32; only summation order differs (measured: below 1e-6).
 RTOL = 1e-5
 TOKENS = [[1, 5, 9, 3, 7, 2, 8, 4, 100, 127], [6, 0, 11, 12, 3, 3, 9, 1, 64, 33]]
+# Upstream's optimizer runs (4 ranks each): the plain optimizers at tp 2 x pp 2 (FP32, and
+# bf16 with fp32 main parameters), the distributed one at tp 2 x dp 2. The settings match
+# upstream_checkpoint_rank.py's.
+UPSTREAM_OPTIMIZERS = {
+    "plain": {"tp": 2, "pp": 2, "distributed_optimizer": False},
+    "plain-bf16": {"tp": 2, "pp": 2, "distributed_optimizer": False, "bf16": True},
+    "distributed": {"tp": 2, "pp": 1, "distributed_optimizer": True},
+}
+LR, STEPS = 0.01, 3
 
 MODELS = {
     "llama": {
@@ -212,3 +232,166 @@ def test_upstream_loads_our_tp2_pp2_torch_dist_at_tp1(upstream_site, tmp_path):
                                     "out": str(out)})
     for label in MODELS:
         assert_same_logits(torch.load(out / label / "logits.pt"), ours[label], label)
+
+
+def optimizer_and_scheduler(model, distributed: bool):
+    """This tree's DDP wrapper, optimizer and scheduler, set up as upstream's were."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wrapped = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=LR, min_lr=LR / 10, weight_decay=0.1, adam_beta2=0.95,
+                        use_distributed_optimizer=distributed), [wrapped])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=1, lr_decay_steps=10,
+        lr_decay_style="cosine", start_wd=0.1, end_wd=0.1, wd_incr_steps=10,
+        wd_incr_style="constant")
+    return wrapped, optimizer, scheduler
+
+
+def optimizer_pieces(model, optimizer) -> list[tuple]:
+    """(canonical name, flat start, end, {state: values}) of each piece this rank steps."""
+    from megatron.training.checkpoint.model_tensors import model_tensors
+
+    pieces = {piece.param: piece for piece in optimizer.main_param_pieces()}
+    found = []
+    for name, _, param in model_tensors(model):
+        piece = pieces.get(param)
+        if piece is None:
+            continue
+        state = optimizer.optimizer.state[piece.main]
+        values = {kind: state[kind].detach().reshape(-1).numpy().copy()
+                  for kind in ("exp_avg", "exp_avg_sq")}
+        values["fp32_param"] = piece.main.detach().reshape(-1).numpy().copy()
+        found.append((to_local(name), piece.start, piece.end, values, float(state["step"])))
+    return found
+
+
+def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
+                        roots: dict[str, str]) -> list[tuple]:
+    """At tp 1 x pp ``pp`` (data-parallel over the rest): ``load_checkpoint`` of each upstream
+    save root, as ``--load ROOT`` does; this rank's optimizer pieces and scheduler after it."""
+    import argparse
+
+    from megatron.core import parallel_state
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.global_vars import set_args
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    found = []
+    for label, root in roots.items():
+        spec = MODELS[label.split("/")[0]]
+        model, optimizer, scheduler = optimizer_and_scheduler(our_model(spec, 1, pp), distributed)
+        set_args(argparse.Namespace(**spec["args"], load=root, finetune=False,
+                                    no_load_optim=False))
+        iteration, _ = load_checkpoint([model], optimizer, scheduler)
+        found.append((label, iteration, scheduler.num_steps,
+                      sorted({group["lr"] for group in optimizer.param_groups}),
+                      optimizer_pieces([model], optimizer)))
+    return found
+
+
+def canonical_state(upstream_key: str, whole: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
+    """(state kind, canonical name) -> tensor of one of upstream's optimizer keys, split into
+    layers where the key stacks them."""
+    kind, _, model_key = upstream_key[len("optimizer.state."):].partition(".")
+    if model_key.startswith(LAYER_PREFIX) and split_layer(model_key) is None:
+        rest = to_local(model_key)[len(LAYER_PREFIX):]
+        return {(kind, layer_name(index, rest)): layer for index, layer in enumerate(whole)}
+    return {(kind, to_local(model_key)): whole}
+
+
+@pytest.fixture(scope="module")
+def upstream_trained(upstream_site, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("upstream-trained")
+    for kind, layout in UPSTREAM_OPTIMIZERS.items():
+        run_upstream(upstream_site, 4, {"action": "train_save", **layout, "models": MODELS,
+                                        "tokens": TOKENS, "out": str(out / kind)})
+    return out
+
+
+@pytest.mark.parametrize("pp,dp,distributed", [(1, 1, False), (2, 2, True)])
+def test_upstream_optimizer_state_loads_here(upstream_trained, pp, dp, distributed):
+    roots = {f"{label}/{kind}": str(upstream_trained / kind / label / "torch_dist")
+             for kind in UPSTREAM_OPTIMIZERS for label in MODELS}
+    results = run_ranks(load_optimizer_here, pp * dp, args=(pp, distributed, roots),
+                        timeout_s=120)
+    for label in roots:
+        model, kind = label.split("/")
+        saved = torch.load(upstream_trained / kind / model / "optimizer_state.pt")
+        assert saved["step"] == STEPS
+        expected = {found: value for key, whole in saved["tensors"].items()
+                    for found, value in canonical_state(key, whole).items()}
+        assert not any(value.isnan().any() for value in expected.values())
+        checked = set()
+        for rank_results in results:
+            _, iteration, scheduler_steps, lrs, pieces = next(
+                r for r in rank_results if r[0] == label)
+            assert iteration == 7 and scheduler_steps == saved["scheduler"]["num_steps"]
+            assert lrs == [pytest.approx(saved["lr"], rel=1e-12)], label
+            for name, start, end, values, step in pieces:
+                assert step == STEPS, (label, name)
+                for state, value in values.items():
+                    if (state, name) not in expected:
+                        assert state == "fp32_param" and kind == "plain"  # fp32: none saved
+                        continue
+                    reference = expected[(state, name)].reshape(-1)[start:end]
+                    # Exact: the same fp32 values, moved and cut.
+                    assert torch.equal(torch.from_numpy(value), reference), (label, state, name)
+                    checked.add((state, name))
+        assert checked == set(expected), sorted(set(expected) - checked)[:5]
+
+
+@pytest.mark.parametrize("fmt,message", [
+    ("torch_dist", "holds no optimizer state this tree can read: add --no-load-optim"),
+    ("torch", "legacy torch format, whose optimizer state is indexed by upstream's parameter "
+              "groups and is not converted: add --no-load-optim"),
+])
+def test_upstream_checkpoint_without_optimizer_state_asks_for_no_load_optim(upstream_saved, fmt,
+                                                                           message):
+    import argparse
+
+    from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
+
+    args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False)
+    path = upstream_saved / "gpt" / fmt / "iter_0000007"
+    with pytest.raises(CheckpointError) as raised:
+        load_upstream_checkpoint(None, None, None, str(path), args)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+# tests/distributed/test_trainer.py's small_gpt model, as upstream builds it (vocabulary: the
+# quickstart tokenizer's 512, already a multiple of 128).
+SMALL_GPT = {
+    "seed": 11, "vocab": 512, "max_seq": 64, "untie": False,
+    "position_embedding_type": "learned_absolute",
+    "config": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
+               "ffn_hidden_size": 256, "normalization": "LayerNorm", "add_bias_linear": True,
+               "swiglu": False, "init_method_std": 0.02},
+    "args": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
+             "group_query_attention": False, "num_query_groups": 1, "ffn_hidden_size": 256,
+             "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
+             "untie_embeddings_and_output_weights": False,
+             "position_embedding_type": "learned_absolute", "max_position_embeddings": 64},
+}
+
+
+def test_pretrain_resumes_upstream_distributed_optimizer_checkpoint(upstream_site, tmp_path):
+    from tests.distributed.test_trainer import losses, run, small_gpt
+
+    out = tmp_path / "upstream"
+    run_upstream(upstream_site, 2, {"action": "train_save", "tp": 1, "pp": 1,
+                                    "distributed_optimizer": True, "models": {"gpt": SMALL_GPT},
+                                    "tokens": TOKENS, "out": str(out)})
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(Path(__file__).parents[2] / "tools" /
+                                        "make_quickstart_data.py"), str(data)],
+                   check=True, capture_output=True, timeout=120)
+    # Saved at iteration 7 by dp 2; resumed at pp 2 for two more iterations.
+    output = run(2, small_gpt(data, "--train-iters", "9", "--pipeline-model-parallel-size", "2",
+                              "--load", str(out / "gpt" / "torch_dist")))
+    assert "(model weights, optimizer state and scheduler)" in output
+    assert sorted(losses(output)) == [8, 9]

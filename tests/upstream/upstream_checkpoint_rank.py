@@ -11,6 +11,14 @@ Started by ``test_checkpoint_interop`` with ``PYTHONPATH`` holding only the unpa
 * ``{"action": "load", "tp", "pp", "models", "tokens", "load", "out"}``: build each model at
   tp x pp, read the ``torch_dist`` iteration directory ``load/LABEL`` with
   ``dist_checkpointing.load`` into ``model.sharded_state_dict()``, and write the logits.
+* ``{"action": "train_save", "tp", "pp", "distributed_optimizer", ["bf16",] "models", "tokens",
+  "out"}``: build each model at tp x pp (data-parallel over the other ranks; bf16 as
+  Megatron-LM's Float16Module makes it, with fp32 main parameters), wrap it in upstream's DDP,
+  take ``STEPS`` Adam steps with upstream's optimizer and pipeline schedule on ``tokens``, and
+  save model, ``optimizer.sharded_state_dict`` and scheduler as Megatron-LM's training loop
+  does (``out/LABEL/torch_dist``); rank 0 also writes ``out/LABEL/optimizer_state.pt``: every
+  optimizer state tensor whole under upstream's sharded key, assembled from the ranks'
+  in-memory pieces (not from the checkpoint), and the step count.
 
 The last stage's tensor-parallel rank 0 writes ``out/LABEL/logits.pt`` (full vocabulary, fp32).
 """
@@ -33,6 +41,8 @@ import torch.distributed as dist
 from upstream_rank import check_megatron_is_upstream, install_cpu_shims
 
 ITERATION = 7
+STEPS = 3
+LR = 0.01
 
 
 def stand_in_psutil() -> None:
@@ -48,6 +58,45 @@ def stand_in_psutil() -> None:
         stand_in = types.ModuleType("psutil")
         stand_in.Process = lambda pid: types.SimpleNamespace(memory_info=memory_info)
         sys.modules["psutil"] = stand_in
+
+
+def name_cpu_tensors_as_cuda() -> None:
+    """Upstream's optimizers sort parameters by ``tensor.type()`` names ('torch.cuda.FloatTensor'
+    and the like) and reject others; on this machine CPU tensors answer with those names."""
+    type_of = torch.Tensor.type
+
+    def cuda_name(self, dtype=None, *args, **kwargs):
+        if dtype is not None:
+            return type_of(self, dtype, *args, **kwargs)
+        name = type_of(self)
+        return name if self.is_cuda else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_name
+
+
+def keep_step_out_of_distributed_state() -> None:
+    """With apex or TE (upstream's GPU set-up) Adam keeps its step per parameter group, and the
+    distributed optimizer's per-parameter state holds exp_avg and exp_avg_sq only. torch's
+    AdamW, upstream's fallback here, adds a per-parameter 0-d step that 0.11's
+    fully_sharded_model_space cannot flatten; drop it there, as apex's state has none (its
+    state_dict puts the step into every parameter group either way)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    states_of = DistributedOptimizer._get_main_param_and_optimizer_states
+
+    def without_step(self, model_param):
+        return {k: v for k, v in states_of(self, model_param).items() if k != "step"}
+
+    DistributedOptimizer._get_main_param_and_optimizer_states = without_step
+
+
+def restore_numpy_product() -> None:
+    """0.11's check of flattened (distributed optimizer) shards calls ``np.product``, which
+    numpy 2 removed in favour of ``np.prod``."""
+    import numpy
+
+    if not hasattr(numpy, "product"):
+        numpy.product = numpy.prod
 
 
 def adapt_checkpoint_writer() -> None:
@@ -67,7 +116,7 @@ def adapt_checkpoint_writer() -> None:
         filesystem.SerializationFormat.TORCH_SAVE)
 
 
-def build_model(spec: dict, pre_process: bool, post_process: bool):
+def build_model(spec: dict, pre_process: bool, post_process: bool, parallel_output: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -76,15 +125,19 @@ def build_model(spec: dict, pre_process: bool, post_process: bool):
     if shape.pop("swiglu", False):
         shape.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                      bias_activation_fusion=False)
+    dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
     config = TransformerConfig(**shape, use_cpu_initialization=True, hidden_dropout=0.0,
-                               attention_dropout=0.0, pipeline_dtype=torch.float32,
+                               attention_dropout=0.0, pipeline_dtype=dtype,
+                               params_dtype=dtype, bf16=bool(spec.get("bf16")),
                                tensor_model_parallel_size=spec["tp"],
                                pipeline_model_parallel_size=spec["pp"])
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec["vocab"],
-                    max_sequence_length=spec["max_seq"], pre_process=pre_process,
-                    post_process=post_process, parallel_output=False,
-                    share_embeddings_and_output_weights=not spec["untie"],
-                    position_embedding_type=spec["position_embedding_type"])
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec["vocab"],
+                     max_sequence_length=spec["max_seq"], pre_process=pre_process,
+                     post_process=post_process, parallel_output=parallel_output,
+                     share_embeddings_and_output_weights=not spec["untie"],
+                     position_embedding_type=spec["position_embedding_type"])
+    # As Megatron-LM's Float16Module: every parameter in bf16, torch's norms included.
+    return model.to(dtype)
 
 
 def logits_of(model, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -128,12 +181,141 @@ def save_both_formats(model, spec: dict, out: Path, tp: int, pp: int) -> None:
                              "checkpoint_version": 3.0, "iteration": ITERATION}, str(dist_dir))
 
 
+def train_steps(model, optimizer, scheduler, tokens: torch.Tensor) -> None:
+    """``STEPS`` optimizer steps on one micro-batch of ``tokens`` (next-token labels) through
+    upstream's pipeline schedule, as Megatron-LM's train_step runs them."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    labels = torch.roll(tokens, -1, dims=1)
+
+    def loss_func(per_token_loss):
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        return chunk(batch, positions, None, labels=labels), loss_func
+
+    for _ in range(STEPS):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]),
+                                    model=[model], num_microbatches=1,
+                                    seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+                                    forward_only=False)
+        succeeded, _, _ = optimizer.step()
+        assert succeeded
+        scheduler.step(increment=1)
+
+
+def build_optimizer(model, distributed_optimizer: bool):
+    """Upstream's DDP wrapper, optimizer (torch AdamW without apex or TE; fp32 main parameters
+    apart from a bf16 model's) and scheduler."""
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wrapped = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.1,
+                        adam_beta2=0.95, clip_grad=0.0,  # clipping asserts CUDA grads
+                        bf16=model.config.bf16, params_dtype=model.config.params_dtype,
+                        use_distributed_optimizer=distributed_optimizer), [wrapped])
+    model.config.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=1,
+        lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=10, wd_incr_style="constant")
+    return wrapped, optimizer, scheduler
+
+
+def optimizer_pieces(model, optimizer) -> list[tuple]:
+    """This rank's saved pieces of optimizer state: (key, global shape, offset, chunk shape,
+    flattened range or None, values), factories (SwiGLU's fc1) applied."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor, apply_factories, is_main_replica,
+    )
+
+    state = optimizer.sharded_state_dict(model.sharded_state_dict())
+    apply_factories(state)
+    pieces = []
+    for item in nested_values(state):
+        if not (isinstance(item, ShardedTensor) and item.key.startswith("optimizer.state.")
+                and is_main_replica(item.replica_id)):
+            continue
+        flat = item.flattened_range
+        pieces.append((item.key, tuple(item.global_shape), tuple(item.global_offset),
+                       (1,) * item.prepend_axis_num + tuple(item.local_shape),
+                       None if flat is None else (flat.start, flat.stop),
+                       item.data.detach().float().clone().numpy()))
+    return pieces
+
+
+def assemble(pieces: list[tuple]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's pieces; NaN marks what no piece covered."""
+    wholes: dict[str, torch.Tensor] = {}
+    for key, shape, offset, chunk, flat, values in pieces:
+        whole = wholes.setdefault(key, torch.full(shape, float("nan")))
+        region = whole[tuple(slice(o, o + c) for o, c in zip(offset, chunk))]
+        values = torch.from_numpy(values)
+        if flat is None:
+            region.copy_(values.view(region.shape))
+        else:
+            chunk_values = region.reshape(-1).clone()
+            chunk_values[flat[0]:flat[1]] = values
+            region.copy_(chunk_values.view(region.shape))
+    return wholes
+
+
+def train_and_save(model, spec: dict, out: Path, command: dict) -> None:
+    """Train a few steps, save as Megatron-LM's loop does, dump the state for comparison."""
+    from megatron.core import dist_checkpointing
+
+    distributed_optimizer = command["distributed_optimizer"]
+    wrapped, optimizer, scheduler = build_optimizer(model, distributed_optimizer)
+    train_steps(wrapped, optimizer, scheduler, torch.tensor(command["tokens"]))
+    args = argparse.Namespace(**spec["args"], tensor_model_parallel_size=command["tp"],
+                              pipeline_model_parallel_size=command["pp"],
+                              use_distributed_optimizer=distributed_optimizer,
+                              consumed_train_samples=96)
+    dist_dir = out / "torch_dist" / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        dist_dir.mkdir(parents=True, exist_ok=True)
+        (out / "torch_dist" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    dist.barrier()
+    model_state = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_state,
+                             "optimizer": optimizer.sharded_state_dict(model_state),
+                             "opt_param_scheduler": scheduler.state_dict(), "args": args,
+                             "checkpoint_version": 3.0, "iteration": ITERATION}, str(dist_dir))
+    everyone: list = [None] * dist.get_world_size()
+    steps = {float(state["step"]) for state in optimizer.optimizer.state.values()}
+    dist.all_gather_object(everyone, (optimizer_pieces(model, optimizer), steps))
+    if dist.get_rank() == 0:
+        all_steps = set().union(*(s for _, s in everyone))
+        assert len(all_steps) == 1, all_steps
+        torch.save({"tensors": assemble([p for pieces, _ in everyone for p in pieces]),
+                    "step": all_steps.pop(), "scheduler": scheduler.state_dict(),
+                    "lr": optimizer.param_groups[0]["lr"]},
+                   out / "optimizer_state.pt")
+
+
 def main() -> None:
     command = json.loads(sys.argv[1])
     install_cpu_shims()
     stand_in_psutil()
+    name_cpu_tensors_as_cuda()
     check_megatron_is_upstream()
     adapt_checkpoint_writer()
+    keep_step_out_of_distributed_state()
+    restore_numpy_product()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     from megatron.core import dist_checkpointing, parallel_state
@@ -148,9 +330,15 @@ def main() -> None:
         out = Path(command["out"]) / label
         out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(spec["seed"])
-        model = build_model({**spec, "tp": tp, "pp": pp},
+        training = command["action"] == "train_save"
+        # Training as Megatron-LM does, with vocabulary-parallel logits (gathering them at tp 1
+        # hands the loss a view it may not change in place); full logits otherwise.
+        model = build_model({**spec, "tp": tp, "pp": pp, "bf16": command.get("bf16", False)},
                             parallel_state.is_pipeline_first_stage(),
-                            parallel_state.is_pipeline_last_stage())
+                            parallel_state.is_pipeline_last_stage(), parallel_output=training)
+        if training:
+            train_and_save(model, spec, out, command)
+            continue
         if command["action"] == "save":
             save_both_formats(model, spec, out, tp, pp)
         else:

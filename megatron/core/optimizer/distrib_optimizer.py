@@ -154,10 +154,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             main.grad = _flat_slice(param.main_grad, piece).float()
 
     def _copy_main_params_to_model_params(self) -> None:
-        for param, piece, main in self._entries():
-            target = _flat_slice(param, piece)
-            if target.data_ptr() != main.data_ptr():
-                target.copy_(main)
+        pairs = [(target, main) for param, piece, main in self._entries()
+                 for target in [_flat_slice(param, piece)] if target.data_ptr() != main.data_ptr()]
+        if pairs:  # one multi-tensor launch instead of one copy per parameter
+            torch._foreach_copy_([target for target, _ in pairs], [main for _, main in pairs])
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

@@ -154,14 +154,30 @@ class MegatronOptimizer(ABC):
         grad_norm = self._empty_statistic()
         if self.config.clip_grad > 0.0:
             with timed_phase(self.config, "optimizer-clip-main-grad"):
-                grad_norm = self.clip_grad_norm(self.config.clip_grad)
+                grad_norm = self._clip_in_step(self.config.clip_grad)
         num_zeros = self._empty_statistic()
-        if self.config.log_num_zeros_in_grad:
+        if self.config.log_num_zeros_in_grad:  # scaling by the clip keeps zeros zero
             with timed_phase(self.config, "optimizer-count-zeros"):
                 num_zeros = self.count_zeros()
         with timed_phase(self.config, "optimizer-inner-step"):
-            success = self.step_with_ready_grads()
+            try:
+                success = self.step_with_ready_grads()
+            finally:
+                if getattr(self.optimizer, "grad_scale", None) is not None:
+                    self.optimizer.grad_scale = None
         return success, grad_norm, num_zeros
+
+    def _clip_in_step(self, clip_grad: float) -> float:
+        """Clip as ``clip_grad_norm`` does; where torch's fused Adam runs next, by having its
+        kernel divide the gradients (its ``grad_scale``) instead of a pass over them first."""
+        if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            return self.clip_grad_norm(clip_grad)
+        grad_norm = self.get_grad_norm()
+        coefficient = clip_grad / (grad_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
+        if coefficient < 1.0:
+            device = self.get_parameters()[0].device
+            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient, device=device)
+        return grad_norm
 
     def _empty_statistic(self) -> float | None:
         """What step() reports for a statistic it did not compute (None, as upstream)."""
@@ -375,8 +391,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     param.grad = main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
-        for model_param, main_param in self._pairs():
-            model_param.data.copy_(main_param)
+        pairs = list(self._pairs())
+        if pairs:  # one multi-tensor launch instead of one copy per parameter
+            torch._foreach_copy_([half.data for half, _ in pairs], [main for _, main in pairs])
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

@@ -46,19 +46,13 @@ class _ParallelLinearBase(torch.nn.Module):
                 "is_expert=True is not supported by this tree: mixture-of-experts layers are "
                 "not implemented"
             )
-        if config.gradient_accumulation_fusion:
-            raise ValueError(
-                "config.gradient_accumulation_fusion=True is not supported by this tree: "
-                "tensor-parallel layers compute weight gradients with plain autograd; set it "
-                "False (--no-gradient-accumulation-fusion)"
-            )
         self.config = config
         self.is_expert = is_expert
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size = group_size(self.tp_group)
         self.tp_rank = group_rank(self.tp_group)
         self.sequence_parallel = config.sequence_parallel
-        self.gradient_accumulation_fusion = False
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.master_weight: Optional[torch.Tensor] = None
 
     def _new_parameter(self, *shape: int) -> Parameter:
@@ -180,12 +174,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
         runtime_gather_output: Optional[bool] = None,
     ):
         """``input_``: ``[s, b, input_size]`` (``[s/tp, b, input_size]`` with sequence parallel)."""
+        own_weight = weight is None  # a weight passed in (tied embeddings) has other grads too
         weight = self._weight_for_forward(weight)
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input_,
             weight,
             None if self.skip_bias_add else self.bias,
-            gradient_accumulation_fusion=False,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion and own_weight,
             allreduce_dgrad=self.allreduce_dgrad,
             sequence_parallel=self.sequence_parallel,
             tp_group=self.tp_group,
@@ -248,7 +243,7 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel,
             self.weight,
             self.bias if bias_in_gemm else None,
-            gradient_accumulation_fusion=False,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False,
             sequence_parallel=False,
             tp_group=self.tp_group,

@@ -7,7 +7,8 @@ tensor-parallel shards.
 Interoperation with upstream (issue 15): ``formats`` detects a directory's format and opens its
 reader (``source``): ``layout_free`` (this tree), ``upstream_torch`` (legacy per-rank files),
 ``upstream_dist`` (torch_dist); ``upstream_names`` maps local/TE names and tensor-parallel cuts;
-``model_loading`` fills a model from any reader; ``upstream_resume`` is ``--load``'s path for
-upstream formats; ``dist_save`` is ``--ckpt-format torch_dist``; ``dcp_chunks`` stores pieces of
-layer-stacked tensors; ``tp_layout``, ``model_shape`` and ``hf_export`` serve the converter.
+``model_loading`` fills a model, and ``optimizer_state`` the optimizer, from any reader;
+``upstream_resume`` is ``--load``'s path for upstream formats; ``dist_save`` is
+``--ckpt-format torch_dist``; ``dcp_chunks`` stores pieces of layer-stacked tensors;
+``tp_layout``, ``model_shape`` and ``hf_export`` serve the converter.
 """

@@ -2,23 +2,28 @@
 
 ``iter_N/model/`` is a torch.distributed.checkpoint holding every model tensor once, whole,
 under layout-free names; ``iter_N/common.pt`` holds format_version, iteration, consumed
-samples, the scheduler and the arguments (a dict). A model built with the Transformer Engine
-spec saves its fused norms under TE names; they are read back under canonical names.
+samples, the scheduler, the arguments (a dict), the parameter-group settings and the loss
+scaler; ``iter_N/optimizer/`` (format 2) holds the optimizer state whole, under layout-free
+names (``optimizer_state``). A model built with the Transformer Engine spec saves its fused
+norms under TE names; they are read back under canonical names.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.training.checkpoint import dcp_chunks
-from megatron.training.checkpoint.source import CheckpointFormatError, CheckpointSource
+from megatron.training.checkpoint.source import (
+    CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
+)
 from megatron.training.checkpoint.upstream_names import to_local
 
 MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
 COMMON_FILE = "common.pt"
 
 
@@ -56,8 +61,12 @@ class LayoutFreeSource(CheckpointSource):
                          shapes={to_local(n): m.size for n, m in metadata.items()},
                          dtypes={to_local(n): m.properties.dtype for n, m in metadata.items()},
                          consumed_samples=int(common.get("consumed_samples", 0)),
-                         scheduler_state=common.get("opt_param_scheduler"))
+                         scheduler_state=common.get("opt_param_scheduler"),
+                         param_group_settings=list(common.get("param_group_settings") or []),
+                         grad_scaler_state=common.get("grad_scaler"))
         self.common = common
+        # canonical optimizer key -> (key as saved, whole shape); read on first use
+        self._optimizer_keys: Optional[dict[str, tuple[str, torch.Size]]] = None
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
@@ -70,3 +79,33 @@ class LayoutFreeSource(CheckpointSource):
             raise CheckpointFormatError(f"cannot load the model weights of {self.path}: "
                                         f"{reason}") from None
         return {name: state[self._saved_names[name]] for name in names}
+
+    def _saved_optimizer_keys(self) -> dict[str, tuple[str, torch.Size]]:
+        if self._optimizer_keys is None:
+            location = os.path.join(self.path, OPTIMIZER_DIR)
+            self._optimizer_keys = {}
+            if os.path.isfile(os.path.join(location, ".metadata")):  # format 2 only
+                try:
+                    metadata = FileSystemReader(location).read_metadata().state_dict_metadata
+                except Exception as error:  # unreadable metadata
+                    raise CheckpointFormatError(f"cannot read the optimizer metadata of "
+                                                f"{self.path} ({str(error).splitlines()[0]})"
+                                                ) from None
+                for key, entry in metadata.items():
+                    kind, name = split_optimizer_key(key)
+                    self._optimizer_keys[optimizer_key(kind, to_local(name))] = (key, entry.size)
+        return self._optimizer_keys
+
+    def optimizer_shapes(self) -> dict[str, torch.Size]:
+        return {key: shape for key, (_, shape) in self._saved_optimizer_keys().items()}
+
+    def read_optimizer(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys, saved = list(keys), self._saved_optimizer_keys()
+        state = {saved[key][0]: torch.empty(saved[key][1], dtype=torch.float32) for key in keys}
+        try:
+            dcp_chunks.load(state, os.path.join(self.path, OPTIMIZER_DIR))
+        except Exception as error:  # DCP reports unreadable files in its own exception types
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise CheckpointFormatError(f"cannot load the optimizer state of {self.path}: "
+                                        f"{reason}") from None
+        return {key: state[saved[key][0]] for key in keys}

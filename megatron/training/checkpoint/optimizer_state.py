@@ -11,7 +11,9 @@ Saving assembles each tensor on one rank only: first over the data-parallel grou
 distributed optimizer shards it (a sum of disjoint pieces, so exact), then over the tensor-
 parallel group; writers take turns by name, so no rank holds more than about its share of the
 whole state. Loading reads, per rank and without collectives, the whole tensors it needs a
-batch at a time and keeps its own part, so any layout can load any other's state.
+batch at a time from a checkpoint source (``source.CheckpointSource``: this tree's format, or
+upstream's ``torch_dist`` with canonical names) and keeps its own part, so any layout can load
+any other's state.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from megatron.core import parallel_state
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer import MainParamPiece
+from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.model_tensors import (
     VOCAB_PARALLEL,
     assemble_shards,
@@ -34,8 +36,9 @@ from megatron.training.checkpoint.model_tensors import (
     model_tensors,
     my_shard,
 )
+from megatron.training.checkpoint.source import CheckpointSource, optimizer_key
+from megatron.training.checkpoint.upstream_names import to_local
 
-PREFIX = "optimizer.state."
 MAIN = "fp32_param"
 STEP = "step"
 # Group settings a checkpoint restores (as torch's Optimizer.load_state_dict does); the
@@ -47,10 +50,6 @@ _LOAD_BATCH_BYTES = 1 << 30
 
 class OptimizerStateError(RuntimeError):
     """The saved optimizer state does not fit this run; the message names what is missing."""
-
-
-def state_key(key: str, name: str) -> str:
-    return f"{PREFIX}{key}.{name}"
 
 
 @dataclass
@@ -166,14 +165,14 @@ def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer) -> dict[
                 whole = _assemble(slot, layout, writer,
                                   lambda piece: optimizer.optimizer.state[piece.main][key])
                 if whole is not None:
-                    entries[state_key(key, slot.name)] = whole
+                    entries[optimizer_key(key, slot.name)] = whole
             if slot.param.dtype in (torch.float16, torch.bfloat16):
                 whole = _assemble(slot, layout, writer, lambda piece: piece.main)
                 if whole is not None:
-                    entries[state_key(MAIN, slot.name)] = whole
+                    entries[optimizer_key(MAIN, slot.name)] = whole
             step = _assemble_step(slot, layout, writer, optimizer)
             if step is not None:
-                entries[state_key(STEP, slot.name)] = step
+                entries[optimizer_key(STEP, slot.name)] = step
     return entries
 
 
@@ -221,54 +220,85 @@ def _my_part(whole: torch.Tensor, slot: _Slot, fill: torch.Tensor) -> torch.Tens
     return local.reshape(-1)[slot.piece.start:slot.piece.end]
 
 
-@torch.no_grad()
-def load_optimizer_state(location: str, model_chunks, optimizer: MegatronOptimizer) -> None:
-    """Fill this rank's optimizer state from ``location`` (an ``optimizer/`` DCP directory).
-
-    No collectives: each rank reads what it needs. Call after the model weights and
-    ``reload_model_params`` so main parameters the checkpoint lacks come from the weights.
-    """
-    saved = dcp.FileSystemReader(location).read_metadata().state_dict_metadata
-    if optimizer.init_state_fn is not None:
-        optimizer.init_state_fn(optimizer.optimizer)
-    inner = optimizer.optimizer
-    # (checkpoint key, where this rank's part goes, its slot, what fills rows the saved
-    # vocabulary lacks); the step has no slot: it is taken whole.
-    requests: list[tuple] = []
+def _load_requests(source: CheckpointSource, model_chunks, optimizer: MegatronOptimizer
+                   ) -> list[tuple]:
+    """(checkpoint key, where this rank's part goes, its slot, what fills rows the saved
+    vocabulary lacks) for every state tensor of this rank; the step has no slot: it is whole."""
+    saved = source.optimizer_shapes()
+    requests = []
     for slot in _slots(model_chunks, optimizer):
         if slot.piece is None:
             continue
-        main, name = slot.piece.main, slot.name
-        state = inner.state[main]
+        main, name = slot.piece.main, to_local(slot.name)
+        state = optimizer.optimizer.state[main]
         for key, value in state.items():
             if not torch.is_tensor(value) or value.dim() == 0:
                 continue
-            if state_key(key, name) not in saved:
+            if optimizer_key(key, name) not in saved:
                 raise OptimizerStateError(f"it holds no optimizer state {key!r} for {name}")
-            requests.append((state_key(key, name), value.view(-1).copy_, slot,
+            requests.append((optimizer_key(key, name), value.view(-1).copy_, slot,
                              torch.zeros(slot.param.shape)))
-        if state_key(MAIN, name) in saved:
-            requests.append((state_key(MAIN, name), main.view(-1).copy_, slot, slot.param))
-        if state_key(STEP, name) in saved:
-            requests.append((state_key(STEP, name), _step_setter(optimizer, main), None, None))
+        if optimizer_key(MAIN, name) in saved:
+            requests.append((optimizer_key(MAIN, name), main.view(-1).copy_, slot, slot.param))
+        if optimizer_key(STEP, name) in saved:
+            requests.append((optimizer_key(STEP, name), _step_setter(optimizer, main), None, None))
+    return requests
+
+
+@torch.no_grad()
+def load_optimizer_state(source: CheckpointSource, model_chunks,
+                         optimizer: MegatronOptimizer) -> None:
+    """Fill this rank's optimizer state from the whole tensors ``source`` offers (this tree's
+    ``optimizer/`` directory or upstream's ``torch_dist`` optimizer state).
+
+    No collectives: each rank reads what it needs, a batch at a time. Call after the model
+    weights and ``reload_model_params`` so main parameters the checkpoint lacks come from the
+    weights.
+    """
+    if optimizer.init_state_fn is not None:
+        optimizer.init_state_fn(optimizer.optimizer)
+    shapes = source.optimizer_shapes()
     batch, size = [], 0
-    for request in requests + [None]:
+    for request in _load_requests(source, model_chunks, optimizer) + [None]:
         if request is not None:
-            numel = saved[request[0]].size.numel()
             batch.append(request)
-            size += 4 * numel
+            size += 4 * shapes[request[0]].numel()
         if batch and (request is None or size >= _LOAD_BATCH_BYTES):
-            _load_batch(location, saved, batch)
+            _load_batch(source, batch)
             batch, size = [], 0
 
 
-def _load_batch(location: str, saved, batch) -> None:
-    targets = {key: torch.empty(saved[key].size, dtype=torch.float32) for key, *_ in batch}
-    dcp.load(targets, checkpoint_id=location, no_dist=True)
-    with torch.no_grad():
-        for key, setter, slot, fill in batch:
-            whole = targets[key]
-            setter(whole if slot is None else _my_part(whole, slot, fill).to(torch.float32))
+def _load_batch(source: CheckpointSource, batch) -> None:
+    wholes = source.read_optimizer([key for key, *_ in batch])
+    for key, setter, slot, fill in batch:
+        whole = wholes[key]
+        setter(whole if slot is None else _my_part(whole, slot, fill).to(torch.float32))
+
+
+def restore_optimizer(source: CheckpointSource, model_chunks, optimizer: MegatronOptimizer
+                      ) -> None:
+    """Optimizer state, parameter-group settings and loss scale of ``source``; one line
+    naming the checkpoint where its state does not fit this run."""
+    try:
+        load_optimizer_state(source, model_chunks, optimizer)
+    except OptimizerStateError as error:
+        raise CheckpointError(f"cannot load the optimizer state of {source.path}: {error}; add "
+                              f"--no-load-optim to start the optimizer afresh") from None
+    apply_group_settings(optimizer, source.param_group_settings)
+    if getattr(optimizer, "grad_scaler", None) is not None and source.grad_scaler_state:
+        optimizer.grad_scaler.load_state_dict(source.grad_scaler_state)
+
+
+def restore_scheduler(scheduler, source: CheckpointSource) -> None:
+    """The learning-rate scheduler's state of ``source`` (upstream's keys are this tree's)."""
+    if source.scheduler_state is None:
+        raise CheckpointError(f"checkpoint {source.path} holds no learning-rate scheduler "
+                              f"state: add --no-load-optim")
+    try:
+        scheduler.load_state_dict(source.scheduler_state)
+    except (ValueError, KeyError) as error:
+        raise CheckpointError(f"cannot load the scheduler state of {source.path}: "
+                              f"{str(error).splitlines()[0]}") from None
 
 
 def _step_setter(optimizer: MegatronOptimizer, main: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -2,7 +2,9 @@
 
 A reader lists the model's tensors under canonical layout-free names (see ``upstream_names``)
 with their whole shapes, and reads the whole tensors asked for; the loader cuts each rank's
-part itself. Metadata that upstream and this tree both keep comes along where the format has it.
+part itself. Optimizer state, where the format carries it, is offered the same way under keys
+``optimizer.state.<kind>.NAME`` (``optimizer_key``). Metadata that upstream and this tree both
+keep comes along where the format has it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,23 @@ import torch
 from megatron.training.checkpoint.errors import CheckpointError
 
 
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
 class CheckpointFormatError(CheckpointError):
     """A checkpoint that cannot be read: the message names the file and what is wrong."""
+
+
+def optimizer_key(kind: str, name: str) -> str:
+    """The key of one kind of optimizer state (exp_avg, exp_avg_sq, fp32_param, step, ...) of
+    the model tensor ``name``; upstream's ``torch_dist`` keys have the same form."""
+    return f"{OPTIMIZER_PREFIX}{kind}.{name}"
+
+
+def split_optimizer_key(key: str) -> tuple[str, str]:
+    """(kind, tensor name) of an ``optimizer_key``."""
+    kind, _, name = key[len(OPTIMIZER_PREFIX):].partition(".")
+    return kind, name
 
 
 @dataclass
@@ -33,18 +50,24 @@ class CheckpointSource(abc.ABC):
     consumed_samples: int = 0
     scheduler_state: Optional[dict] = None
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    # Hyperparameters of the optimizer's parameter groups, and the loss scaler's state.
+    param_group_settings: list[dict] = field(default_factory=list)
+    grad_scaler_state: Optional[dict] = None
 
     @abc.abstractmethod
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The whole tensors of ``names`` (canonical names from ``shapes``)."""
 
-    def read_optimizer(self, names: Iterable[str]) -> Optional[dict[str, torch.Tensor]]:
-        """Layout-free optimizer state for the model tensors ``names`` (keys
-        ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param,step}.NAME``); None if the checkpoint
-        has none this tree can read."""
-        return None
+    def optimizer_shapes(self) -> dict[str, torch.Size]:
+        """Whole shapes of the optimizer state this tree can read, by ``optimizer_key`` with
+        canonical names (a step count is 0-d); {} if the checkpoint has none."""
+        return {}
+
+    def read_optimizer(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The whole fp32 tensors of ``keys`` (from ``optimizer_shapes``)."""
+        raise CheckpointFormatError(self.optimizer_problem())
 
     def optimizer_problem(self) -> str:
-        """Why ``read_optimizer`` gives None, said so that a user knows what to do."""
+        """Why ``optimizer_shapes`` is empty, said so that a user knows what to do."""
         return (f"checkpoint {self.path} ({self.format} format) holds no optimizer state this "
                 f"tree can read: add --no-load-optim (or --finetune)")

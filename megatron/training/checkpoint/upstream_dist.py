@@ -1,28 +1,47 @@
 """Upstream's ``--ckpt-format torch_dist`` (megatron.core dist-checkpointing), read and written.
 
 An iteration directory holds ``metadata.json`` (the backends), ``common.pt`` (everything that is
-not a sharded tensor: args, iteration, checkpoint_version, scheduler, the optimizer's common
-step) and a torch.distributed.checkpoint whose keys are upstream's sharded-tensor keys. Every
-per-layer tensor is one global tensor with a leading layer axis, ``decoder.layers.<rest>`` of
-shape ``[num_layers, ...]``, under the Transformer Engine spec's names (the local spec maps its
-norms onto them); the linear layers' (empty) extra state is one pickled object per layer,
-``decoder.layers.<linear>._extra_state/shard_<layer>_<num_layers>``. Optimizer state of the
-plain (not distributed) optimizer sits beside the weights as ``optimizer.state.<kind>.<key>``.
+not a sharded tensor: args, iteration, checkpoint_version, scheduler, the optimizer's step and
+parameter groups) and a torch.distributed.checkpoint whose keys are upstream's sharded-tensor
+keys. Every per-layer tensor is one global tensor with a leading layer axis,
+``decoder.layers.<rest>`` of shape ``[num_layers, ...]``, under the Transformer Engine spec's
+names (the local spec maps its norms onto them); the linear layers' (empty) extra state is one
+pickled object per layer, ``decoder.layers.<linear>._extra_state/shard_<layer>_<num_layers>``.
+
+Optimizer state sits beside the weights as ``optimizer.state.<kind>.<model key>`` (kind
+exp_avg, exp_avg_sq, and fp32_param where the optimizer keeps fp32 main parameters apart from
+the model's); ``chained_<i>.`` precedes it for a ChainedOptimizer's members. The plain
+optimizers store it in the model tensor's own shape. The distributed optimizer's default
+``fully_sharded_model_space`` stores each tensor "N-D flattened": a model tensor of shape
+``[X1, ..., Xn]`` cut into a grid of ``[f1, ..., fn]`` chunks (layers, tensor-parallel pieces,
+SwiGLU halves) becomes a DCP tensor of shape ``[f1, ..., fn, X1*...*Xn / (f1*...*fn)]`` holding
+each chunk flattened, its data-parallel pieces as ranges of the last axis; the metadata's
+``mcore_data[key]["nd_reformulated_orig_global_shape"]`` keeps ``[X1, ..., Xn]``. Both read
+whole here. The step count is not a tensor: ``common.pt`` keeps it as the optimizer state's
+``common_step`` (plain optimizers with torch's Adam) or as every parameter group's ``step``
+(apex/TE Adam, the distributed optimizer). Upstream's other distributed-optimizer layouts
+(``dp_zero_gather_scatter``, ``fully_sharded_bucket_space``) follow upstream's buffers at the
+saving layout and are not read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.training.checkpoint import dcp_chunks
-from megatron.training.checkpoint.source import CheckpointFormatError, CheckpointSource
+from megatron.training.checkpoint.source import (
+    OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
+)
 from megatron.training.checkpoint.upstream_names import (
     EXTRA_STATE, LAYER_LINEARS, LAYER_PREFIX, TE_ATTENTION, layer_name, split_layer, to_local, to_te,
 )
@@ -33,20 +52,66 @@ SHARDED_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1
                    "common_backend": "torch", "common_backend_version": 1}
 # Megatron-LM's checkpoint_version since 2020 (QKV rows grouped per query group).
 CHECKPOINT_VERSION = 3.0
-OPTIMIZER_PREFIX = "optimizer.state."
-OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
+STEP = "step"
+READABLE_SHARDING = "fully_sharded_model_space"
+_UPSTREAM_OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?(optimizer\.state\.\w+)\.(.+)$")
+_FLATTENED_SHAPE = "nd_reformulated_orig_global_shape"
 
 
 def is_dist_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
-def _where(key: str, size: torch.Size) -> list[tuple[str, Optional[int], torch.Size]]:
-    """(canonical name, layer index in a stacked key or None, whole shape) of a DCP key."""
-    if key.startswith(LAYER_PREFIX) and split_layer(key) is None:
-        rest = to_local(key)[len(LAYER_PREFIX):]
-        return [(layer_name(index, rest), index, size[1:]) for index in range(size[0])]
-    return [(to_local(key), None, size)]
+@dataclass(frozen=True)
+class _Region:
+    """Where one whole canonical tensor lies in the checkpoint."""
+
+    key: str  # the DCP key
+    layer: Optional[int]  # index along a stacked key's layer axis; None: the whole key
+    stored: torch.Size  # its shape as stored (one layer's part, without the layer axis)
+    shape: torch.Size  # its canonical shape
+    grid: Optional[tuple[int, ...]] = None  # chunks per axis of an N-D flattened tensor
+
+    def piece_offsets(self) -> tuple[int, ...]:
+        return (self.layer,) + (0,) * len(self.stored)
+
+
+def _flattened_grid(key: str, size: torch.Size, original: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk grid of an N-D flattened tensor, checked against its original shape."""
+    grid = tuple(size[:-1])
+    if (len(size) != len(original) + 1 or any(whole % parts for whole, parts in
+                                               zip(original, grid))
+            or math.prod(original) != math.prod(size)):
+        raise CheckpointFormatError(f"{key}: a flattened tensor of shape {list(size)} cannot hold "
+                                    f"the original shape {list(original)}")
+    return grid
+
+
+def _regions(key: str, size: torch.Size, original: Optional[tuple[int, ...]]
+             ) -> list[tuple[str, _Region]]:
+    """(canonical name, region) of each tensor a DCP key holds: one per layer of a stacked
+    key; an optimizer key's names are the optimizer keys of its model tensor's names."""
+    match = _UPSTREAM_OPTIMIZER_KEY.match(key)
+    prefix, model_key = (match.group(1) + ".", match.group(2)) if match else ("", key)
+    shape = torch.Size(original) if original else size
+    grid = _flattened_grid(key, size, shape) if original else None
+    if model_key.startswith(LAYER_PREFIX) and split_layer(model_key) is None:
+        rest = to_local(model_key)[len(LAYER_PREFIX):]
+        return [(prefix + layer_name(index, rest),
+                 _Region(key, index, size[1:], shape[1:], grid and grid[1:]))
+                for index in range(shape[0])]
+    return [(prefix + to_local(model_key), _Region(key, None, size, shape, grid))]
+
+
+def _unflatten(stored: torch.Tensor, region: _Region) -> torch.Tensor:
+    """The tensor of canonical shape from its N-D flattened chunks."""
+    if region.grid is None:
+        return stored
+    axes = len(region.shape)
+    chunk = [whole // parts for whole, parts in zip(region.shape, region.grid)]
+    # [f1..fn, c1..cn] -> [f1, c1, ..., fn, cn]: each axis' chunks next to their contents.
+    order = [axis for pair in zip(range(axes), range(axes, 2 * axes)) for axis in pair]
+    return stored.reshape(*region.grid, *chunk).permute(order).reshape(region.shape)
 
 
 class DistSource(CheckpointSource):
@@ -71,89 +136,139 @@ class DistSource(CheckpointSource):
         args = common.get("args")
         args = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
         try:
-            metadata = dcp_chunks.TolerantReader(path).read_metadata().state_dict_metadata
+            metadata = dcp_chunks.TolerantReader(path).read_metadata()
         except Exception as error:  # DCP raises its own types for missing or bad metadata
             raise CheckpointFormatError(f"{path}: cannot read the torch.distributed.checkpoint "
                                         f"metadata ({str(error).splitlines()[0]})") from None
-        # canonical name (or optimizer key) -> (DCP key, layer index or None, whole shape)
-        self._regions: dict[str, tuple[str, Optional[int], torch.Size]] = {}
+        flattened = getattr(metadata, "mcore_data", None) or {}
+        # canonical name -> its region; optimizer keys apart
+        self._regions: dict[str, _Region] = {}
+        self._optimizer_regions: dict[str, _Region] = {}
         self._key_shapes = {}
+        self._unreadable: list[str] = []  # why optimizer keys cannot be read (weights still can)
         shapes, dtypes = {}, {}
-        for key, entry in metadata.items():
+        for key, entry in metadata.state_dict_metadata.items():
             if not isinstance(entry, TensorStorageMetadata):
                 continue  # pickled objects: extra state, RNG states
             self._key_shapes[key] = entry.size
-            for name, index, shape in _where(key, entry.size):
-                self._regions[name] = (key, index, shape)
-                if not key.startswith(OPTIMIZER_PREFIX):
-                    shapes[name], dtypes[name] = shape, entry.properties.dtype
+            original = (flattened.get(key) or {}).get(_FLATTENED_SHAPE)
+            try:
+                regions = _regions(key, entry.size, original)
+            except CheckpointFormatError as error:
+                self._unreadable.append(str(error))
+                continue
+            for name, region in regions:
+                if name.startswith(OPTIMIZER_PREFIX):
+                    self._optimizer_regions[name] = region
+                else:
+                    self._regions[name] = region
+                    shapes[name], dtypes[name] = region.shape, entry.properties.dtype
+        optimizer = common.get("optimizer")
         super().__init__(path=path, format="torch_dist", iteration=int(common.get("iteration", 0)),
                          args=args, shapes=shapes, dtypes=dtypes,
                          consumed_samples=int(common.get("consumed_samples",
                                                          args.get("consumed_train_samples") or 0)),
-                         scheduler_state=common.get("opt_param_scheduler"))
-        self._common = common
+                         scheduler_state=common.get("opt_param_scheduler"),
+                         param_group_settings=_saved_param_groups(optimizer),
+                         grad_scaler_state=_saved_grad_scaler(optimizer))
+        self._steps = _saved_steps(optimizer)
+        self._sharding = _saved_sharding_types(optimizer)
 
-    def _read_regions(self, names: list[str], dtype_of) -> dict[str, torch.Tensor]:
+    def _read_regions(self, regions: dict[str, _Region], dtype_of) -> dict[str, torch.Tensor]:
         state: dict[str, Any] = {}
-        for name in names:
-            key, index, shape = self._regions[name]
-            if index is None:
-                state[key] = torch.empty(shape, dtype=dtype_of(name))
+        for name, region in regions.items():
+            if region.layer is None:
+                state[region.key] = torch.empty(region.stored, dtype=dtype_of(name))
             else:
                 pieces = state.setdefault(
-                    key, dcp_chunks.TensorPieces(self._key_shapes[key], {}))
-                pieces.pieces[_layer_offsets(index, shape)] = torch.empty(
-                    (1, *shape), dtype=dtype_of(name))
+                    region.key, dcp_chunks.TensorPieces(self._key_shapes[region.key], {}))
+                pieces.pieces[region.piece_offsets()] = torch.empty(
+                    (1, *region.stored), dtype=dtype_of(name))
         try:
             dcp_chunks.load(state, self.path)
         except Exception as error:  # DCP reports unreadable files in its own exception types
             raise CheckpointFormatError(f"cannot read the tensors of {self.path}: "
                                         f"{str(error).splitlines()[0]}") from None
         result = {}
-        for name in names:
-            key, index, shape = self._regions[name]
-            value = state[key]
-            result[name] = value if index is None else value.pieces[
-                _layer_offsets(index, shape)][0]
+        for name, region in regions.items():
+            value = state[region.key]
+            if region.layer is not None:
+                value = value.pieces[region.piece_offsets()][0]
+            result[name] = _unflatten(value, region)
         return result
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        return self._read_regions(list(names), self.dtypes.__getitem__)
+        return self._read_regions({name: self._regions[name] for name in names},
+                                  self.dtypes.__getitem__)
 
-    def read_optimizer(self, names: Iterable[str]) -> Optional[dict[str, torch.Tensor]]:
-        """The plain optimizer's state; None for the distributed optimizer's flattened
-        layout (its regions do not have the model tensors' shapes) or no state at all."""
-        names = list(names)
-        step = _common_step(self._common)
-        wanted = [f"{OPTIMIZER_PREFIX}{kind}.{name}" for name in names for kind in OPTIMIZER_KINDS
-                  if f"{OPTIMIZER_PREFIX}{kind}.{name}" in self._regions]
-        if step is None or any(self._regions[key][2] != self.shapes[key.split(".", 3)[3]]
-                               for key in wanted):
-            return None
-        if not all(f"{OPTIMIZER_PREFIX}{kind}.{name}" in self._regions
-                   for name in names for kind in ("exp_avg", "exp_avg_sq")):
-            return None
-        found = self._read_regions(wanted, lambda _: torch.float32)
-        for name in names:
-            found[f"{OPTIMIZER_PREFIX}step.{name}"] = torch.tensor(step, dtype=torch.float32)
-        return found
+    def optimizer_shapes(self) -> dict[str, torch.Size]:
+        if len(self._steps) != 1 or self._sharding - {READABLE_SHARDING} or self._unreadable:
+            return {}
+        shapes = {key: region.shape for key, region in self._optimizer_regions.items()}
+        for key in list(shapes):
+            shapes[optimizer_key(STEP, split_optimizer_key(key)[1])] = torch.Size([])
+        return shapes
+
+    def read_optimizer(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        steps = {key: torch.tensor(next(iter(self._steps)), dtype=torch.float32)
+                 for key in keys if split_optimizer_key(key)[0] == STEP}
+        wanted = {key: self._optimizer_regions[key] for key in keys if key not in steps}
+        return {**self._read_regions(wanted, lambda _: torch.float32), **steps}
+
+    def optimizer_problem(self) -> str:
+        if self._unreadable:
+            return (f"checkpoint {self.path}: {self._unreadable[0]}: add --no-load-optim (or "
+                    f"--finetune)")
+        if self._sharding - {READABLE_SHARDING}:
+            return (f"checkpoint {self.path} holds upstream's distributed optimizer state in its "
+                    f"{sorted(self._sharding)[0]!r} layout, tied to the parallel layout it was "
+                    f"saved at (upstream writes {READABLE_SHARDING!r}, which this tree reads, "
+                    f"unless --no-ckpt-fully-parallel-save): add --no-load-optim (or --finetune)")
+        if len(self._steps) > 1:
+            return (f"checkpoint {self.path} holds optimizer steps that differ "
+                    f"({sorted(self._steps)}): add --no-load-optim (or --finetune)")
+        if self._optimizer_regions and not self._steps:
+            return (f"checkpoint {self.path} holds optimizer state but no step count in its "
+                    f"{COMMON_FILE}: add --no-load-optim (or --finetune)")
+        return super().optimizer_problem()
 
 
-def _layer_offsets(index: int, shape: torch.Size) -> tuple[int, ...]:
-    return (index,) + (0,) * len(shape)
+def _optimizer_dicts(tree: Any) -> list[dict]:
+    """Every dict in upstream's saved optimizer state (nested for the mixed-precision, the
+    distributed and the chained optimizers)."""
+    if not isinstance(tree, dict):
+        return []
+    return [tree] + [found for value in tree.values() for found in _optimizer_dicts(value)]
 
 
-def _common_step(common: dict) -> Optional[float]:
-    """The optimizer's shared step count, where upstream's optimizer state keeps it."""
-    optimizer = common.get("optimizer")
-    while isinstance(optimizer, dict):
-        state = optimizer.get("state")
-        if isinstance(state, dict) and "common_step" in state:
-            step = state["common_step"]
-            return float(step.item() if torch.is_tensor(step) else step)
-        optimizer = optimizer.get("optimizer")
-    return None
+def _saved_steps(optimizer: Any) -> set[float]:
+    """The step counts upstream's optimizer state keeps: ``common_step`` or per group."""
+    steps = set()
+    for tree in _optimizer_dicts(optimizer):
+        step = tree.get("common_step")
+        if step is not None:
+            steps.add(float(step.item() if torch.is_tensor(step) else step))
+        for group in tree.get("param_groups") or []:
+            if isinstance(group, dict) and group.get(STEP) is not None:
+                step = group[STEP]
+                steps.add(float(step.item() if torch.is_tensor(step) else step))
+    return steps
+
+
+def _saved_param_groups(optimizer: Any) -> list[dict]:
+    return [group for tree in _optimizer_dicts(optimizer)
+            for group in tree.get("param_groups") or [] if isinstance(group, dict)]
+
+
+def _saved_grad_scaler(optimizer: Any) -> Optional[dict]:
+    return next((tree["grad_scaler"] for tree in _optimizer_dicts(optimizer)
+                 if isinstance(tree.get("grad_scaler"), dict) and tree["grad_scaler"]), None)
+
+
+def _saved_sharding_types(optimizer: Any) -> set[str]:
+    return {tree["param_state_sharding_type"] for tree in _optimizer_dicts(optimizer)
+            if "param_state_sharding_type" in tree}
 
 
 def _load_common(path: str) -> dict:

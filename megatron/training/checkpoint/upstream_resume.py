@@ -2,8 +2,16 @@
 
 The model shape is checked against the checkpoint's args (one line naming the first flag that
 differs), the weights are loaded at this run's layout, and the iteration and consumed samples
-carry on. Upstream's optimizer state is not read by ``--load``: as upstream does with
-``--no-load-optim``, the optimizer and the scheduler then start afresh.
+carry on. Optimizer state loads where the format carries it in a form this tree reads, at any
+tp/pp/dp layout and with or without ``--use-distributed-optimizer`` here: upstream's
+``torch_dist`` as saved by its plain optimizers (FP32 and mixed precision) or by its distributed
+optimizer's default ``fully_sharded_model_space`` layout gives Adam's exp_avg and exp_avg_sq,
+the fp32 main parameters where saved, the step count, the parameter groups' hyperparameters,
+the loss scaler and the learning-rate scheduler. Other checkpoints (the legacy ``torch``
+format, whose optimizer state follows upstream's parameter-group order at the saving layout;
+``torch_dist`` saved with --no-save-optim or another distributed-optimizer layout) stop with
+one line asking for ``--no-load-optim``, with which, as upstream does, the optimizer and the
+scheduler start afresh.
 """
 
 from __future__ import annotations
@@ -12,23 +20,32 @@ from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
+from megatron.training.checkpoint.optimizer_state import restore_optimizer, restore_scheduler
 from megatron.training.utils import print_rank_0
 
 
-def load_upstream_checkpoint(model, optimizer, path: str, args) -> tuple[int, int]:
+def load_upstream_checkpoint(model, optimizer, opt_param_scheduler, path: str,
+                             args) -> tuple[int, int]:
     """Load the upstream iteration directory ``path``; returns (iteration, consumed samples)."""
     source = open_checkpoint(path)
     difference = shape_difference(source.args, args)
     if difference:
         raise CheckpointError(f"checkpoint {path} ({source.format}) is of another model shape: "
                               f"{difference}")
-    if not (args.finetune or args.no_load_optim):
+    with_optimizer = not (args.finetune or args.no_load_optim)
+    if with_optimizer and not source.optimizer_shapes():
         raise CheckpointError(source.optimizer_problem())
     load_model_tensors(model, source)
     optimizer.reload_model_params()
     if args.finetune:
         print_rank_0(f"  loaded model weights from {path} ({source.format}) for finetuning")
         return 0, 0
+    if with_optimizer:
+        restore_optimizer(source, model, optimizer)
+        restore_scheduler(opt_param_scheduler, source)
+        loaded = "model weights, optimizer state and scheduler"
+    else:
+        loaded = "model weights; optimizer and scheduler start afresh"
     print_rank_0(f"  loaded upstream {source.format} checkpoint {path} at iteration "
-                 f"{source.iteration} (model weights; optimizer and scheduler start afresh)")
+                 f"{source.iteration} ({loaded})")
     return source.iteration, source.consumed_samples
