@@ -59,9 +59,9 @@ def run(nproc, args, timeout_s=240):
     return result.stdout
 
 
-def example(script, nproc, data, tmp_path, port):
+def example(script, nproc, data, tmp_path, port, *extra, train_iters=3):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-           "GPUS_PER_NODE": str(nproc), "NUM_LAYERS": "4", "TRAIN_ITERS": "3",
+           "GPUS_PER_NODE": str(nproc), "NUM_LAYERS": "4", "TRAIN_ITERS": str(train_iters),
            "GLOBAL_BATCH_SIZE": "8", "TRANSFORMER_IMPL": "local", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1"}
     command = ["bash", os.path.join(REPO, "examples", "gpt3_7b", script),
@@ -69,7 +69,7 @@ def example(script, nproc, data, tmp_path, port):
                str(data / "tokenizer.model"), "--hidden-size", "64", "--num-attention-heads", "4",
                "--seq-length", "64", "--max-position-embeddings", "64",
                "--distributed-backend", "gloo", "--eval-iters", "1", "--num-workers", "0",
-               "--initial-loss-scale", "4096"]
+               "--initial-loss-scale", "4096", *extra]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -84,6 +84,30 @@ def test_report_flag_set_scaled_down_runs_to_completion(script, nproc, data, tmp
     assert TEST_LOSS.search(result.stdout)
     assert os.path.isfile(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
     assert os.listdir(tmp_path / "tb")  # TensorBoard events from the last rank
+
+
+def test_report_scripts_continue_from_an_upstream_torch_dist_checkpoint(data, tmp_path):
+    # pp 4 writes upstream's format (what megatron-core loads, see tests/upstream); the pp 2 x
+    # vpp 2 script then finds it under its --load and trains on from iteration 3.
+    from tests.launcher import free_port
+
+    saved = example("train_gpt3_7b_pp4.sh", 4, data, tmp_path, free_port(),
+                    "--ckpt-format", "torch_dist")
+    assert saved.returncode == 0, (saved.stdout + saved.stderr)[-4000:]
+    assert os.path.isfile(tmp_path / "ckpt" / "iter_0000003" / "metadata.json")
+
+    # Our torch_dist saves carry no optimizer state: the run says so in one line first.
+    refused = example("train_gpt3_7b_pp2_vpp2.sh", 2, data, tmp_path, free_port(),
+                      train_iters=5)
+    assert refused.returncode != 0
+    assert "holds no optimizer state this tree can read: add --no-load-optim" in refused.stderr
+    assert not re.search(r"\[rank\d+\]: Traceback", refused.stderr), refused.stderr[-3000:]
+
+    resumed = example("train_gpt3_7b_pp2_vpp2.sh", 2, data, tmp_path, free_port(),
+                      "--no-load-optim", train_iters=5)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert "loaded upstream torch_dist checkpoint" in resumed.stdout
+    assert sorted(losses(resumed.stdout)) == [4, 5]
 
 
 def test_pp2_vpp2_variable_lengths_batched_equals_pp1_over_20_iterations(data):

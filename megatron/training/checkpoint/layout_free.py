@@ -72,13 +72,15 @@ class LayoutFreeSource(CheckpointSource):
         names = list(names)
         state = {self._saved_names[name]: torch.empty(self.shapes[name], dtype=self.dtypes[name])
                  for name in names}
+        self._load(state, MODEL_DIR, "the model weights")
+        return {name: state[self._saved_names[name]] for name in names}
+
+    def _load(self, state: dict, folder: str, what: str) -> None:
         try:
-            dcp_chunks.load(state, os.path.join(self.path, MODEL_DIR))
+            dcp_chunks.load(state, os.path.join(self.path, folder))
         except Exception as error:  # DCP reports unreadable files in its own exception types
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise CheckpointFormatError(f"cannot load the model weights of {self.path}: "
-                                        f"{reason}") from None
-        return {name: state[self._saved_names[name]] for name in names}
+            raise CheckpointFormatError(f"cannot load {what} of {self.path}: {reason}") from None
 
     def _saved_optimizer_keys(self) -> dict[str, tuple[str, torch.Size]]:
         if self._optimizer_keys is None:
@@ -102,10 +104,5 @@ class LayoutFreeSource(CheckpointSource):
     def read_optimizer(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys, saved = list(keys), self._saved_optimizer_keys()
         state = {saved[key][0]: torch.empty(saved[key][1], dtype=torch.float32) for key in keys}
-        try:
-            dcp_chunks.load(state, os.path.join(self.path, OPTIMIZER_DIR))
-        except Exception as error:  # DCP reports unreadable files in its own exception types
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise CheckpointFormatError(f"cannot load the optimizer state of {self.path}: "
-                                        f"{reason}") from None
+        self._load(state, OPTIMIZER_DIR, "the optimizer state")
         return {key: state[saved[key][0]] for key in keys}
