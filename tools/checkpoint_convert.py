@@ -65,7 +65,7 @@ def write_tracker(output: str, iteration: int) -> None:
 
 def write_layout_free(output: str, source, tensors: dict[str, torch.Tensor]) -> None:
     from megatron.training.checkpoint import dcp_chunks
-    from megatron.training.checkpointing import FORMAT_VERSION
+    from megatron.training.checkpoint.layout_free import FORMAT_VERSION
 
     folder = iteration_dir(output, source.iteration)
     dcp_chunks.save(tensors, os.path.join(folder, "model"))

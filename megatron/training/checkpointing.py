@@ -46,7 +46,7 @@ from megatron.training.checkpoint.formats import (
     open_checkpoint,
     tracked_iteration_dir,
 )
-from megatron.training.checkpoint.layout_free import LayoutFreeSource
+from megatron.training.checkpoint.layout_free import FORMAT_VERSION, LayoutFreeSource
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import (
@@ -60,8 +60,6 @@ from megatron.training.checkpoint.model_tensors import join_shards, model_tensor
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
-# 2: optimizer state under layout-free names (1: per-rank files, loadable at the same layout).
-FORMAT_VERSION = 2
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "data_parallel_size",
                "use_distributed_optimizer", "fp16", "bf16")

@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron.training.checkpoint.layout_free import LayoutFreeSource, is_layout_free_checkpoint
+from megatron.training.checkpoint.layout_free import (
+    FORMAT_VERSION,
+    LayoutFreeSource,
+    is_layout_free_checkpoint,
+)
 from megatron.training.checkpoint.source import CheckpointFormatError, CheckpointSource
 from megatron.training.checkpoint.upstream_dist import DistSource, is_dist_checkpoint
 from megatron.training.checkpoint.upstream_torch import TorchSource, is_torch_checkpoint
@@ -50,14 +54,11 @@ def detect_format(path: str) -> str:
 
 def open_checkpoint(path: str) -> CheckpointSource:
     """A reader for the iteration directory ``path``, or for the latest one under a save root."""
-    # Imported here: checkpointing imports this module. Every version stores weights alike.
-    from megatron.training.checkpointing import FORMAT_VERSION
-
     if os.path.isfile(os.path.join(path, TRACKER)):
         path = tracked_iteration_dir(path)
     if not os.path.isdir(path):
         raise CheckpointFormatError(f"checkpoint directory {path} does not exist")
     found = detect_format(path)
     if found == "layout_free":
-        return LayoutFreeSource(path, range(1, FORMAT_VERSION + 1))
+        return LayoutFreeSource(path, range(1, FORMAT_VERSION + 1))  # weights stored alike
     return DistSource(path) if found == "torch_dist" else TorchSource(path)

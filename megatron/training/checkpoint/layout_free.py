@@ -22,6 +22,8 @@ from megatron.training.checkpoint.source import (
 )
 from megatron.training.checkpoint.upstream_names import to_local
 
+# 2: optimizer state under layout-free names (1: per-rank files, loadable at the same layout).
+FORMAT_VERSION = 2
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 COMMON_FILE = "common.pt"
