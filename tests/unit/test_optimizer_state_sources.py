@@ -202,3 +202,68 @@ def test_load_optimizer_state_reads_in_batches(monkeypatch):
     load_optimizer_state(source, [model], optimizer)
     assert source.reads > 2
     assert all(float(state["step"]) == 2.0 for state in optimizer.optimizer.state.values())
+
+
+def legacy_with_optimizer(path, tensors, args, tp, pp, vpp, mixed: bool) -> None:
+    """Upstream-style legacy files of ``tensors`` whose optimizer state is exp_avg = 2 x the
+    weights and exp_avg_sq = 3 x, numbered as upstream numbers its parameter groups (first-seen
+    order of (no weight decay: bias or 1-D) over the chunks' parameters); the step is kept per
+    group (apex), and ``mixed`` saves bf16 weights with fp32 main parameters = 4 x."""
+    from megatron.training.checkpoint import upstream_torch
+
+    upstream_torch.write(str(path), tensors, tp=tp, pp=pp, vpp=vpp, args=args, iteration=5,
+                         scheduler_state={"num_steps": 5})
+    for folder in sorted(os.listdir(path)):
+        file = os.path.join(path, folder, upstream_torch.MODEL_FILE)
+        state = torch.load(file, weights_only=False)
+        groups: dict[bool, list] = {}
+        for chunk in [k for k in state if k.startswith("model")]:
+            for name, tensor in state[chunk].items():
+                if torch.is_tensor(tensor):
+                    groups.setdefault(name.endswith(".bias") or tensor.dim() == 1,
+                                      []).append(tensor)
+                    if mixed:
+                        state[chunk][name] = tensor.to(torch.bfloat16)
+        param_groups, moments, mains, number = [], {}, [], 0
+        for no_decay, members in groups.items():
+            ids = list(range(number, number + len(members)))
+            number += len(members)
+            param_groups.append({"wd_mult": 0.0 if no_decay else 1.0, "lr_mult": 1.0,
+                                 "is_expert_parallel": False, "is_decoupled_lr": False,
+                                 "step": 5, "lr": 0.5, "params": ids})
+            moments.update({i: {"exp_avg": 2 * t, "exp_avg_sq": 3 * t}
+                            for i, t in zip(ids, members)})
+            mains.append([4 * t for t in members])
+        saved = {"state": moments, "param_groups": param_groups}
+        state["optimizer"] = ({"optimizer": saved, "fp32_from_fp16_params": mains}
+                              if mixed else saved)
+        torch.save(state, file)
+
+
+@pytest.mark.parametrize("tp,pp,vpp,mixed", [(2, 2, 2, False), (2, 1, None, True)])
+def test_legacy_torch_optimizer_state_is_read_whole_under_canonical_names(tmp_path, tp, pp, vpp,
+                                                                          mixed):
+    from megatron.training.checkpoint.upstream_torch import TorchSource
+
+    torch.manual_seed(1)
+    tensors = {"embedding.word_embeddings.weight": torch.randn(16, 8),
+               "decoder.final_layernorm.weight": torch.randn(8),
+               "output_layer.weight": torch.randn(16, 8)}
+    for layer in range(4):
+        tensors.update({f"decoder.layers.{layer}.input_layernorm.weight": torch.randn(8),
+                        f"decoder.layers.{layer}.mlp.linear_fc1.weight": torch.randn(12, 8),
+                        f"decoder.layers.{layer}.mlp.linear_fc1.bias": torch.randn(12),
+                        f"decoder.layers.{layer}.mlp.linear_fc2.weight": torch.randn(8, 12)})
+    args = {"num_layers": 4, "untie_embeddings_and_output_weights": True}
+    legacy_with_optimizer(tmp_path, tensors, args, tp, pp, vpp, mixed)
+    source = TorchSource(str(tmp_path))
+    shapes = source.optimizer_shapes()
+    kinds = {"exp_avg": 2, "exp_avg_sq": 3, **({"fp32_param": 4} if mixed else {})}
+    assert set(shapes) == {optimizer_key(kind, name) for name in tensors
+                           for kind in (*kinds, "step")}
+    read = source.read_optimizer(shapes)
+    for name, whole in tensors.items():
+        for kind, factor in kinds.items():
+            assert torch.equal(read[optimizer_key(kind, name)], factor * whole), (kind, name)
+        assert read[optimizer_key("step", name)] == 5.0
+    assert [group["lr"] for group in source.param_group_settings] == [0.5, 0.5]

@@ -10,10 +10,12 @@ GPT-2-like (LayerNorm, GeLU, learned positions, biases, tied output).
 
 Optimizer state: upstream trains each model a few Adam steps with its plain optimizers at
 tp 2 x pp 2 (fp32, and bf16 with fp32 main parameters) and with its distributed optimizer at
-tp 2 x dp 2, and saves as Megatron-LM does; ``--load`` here (fp32, pp 1 with the plain
-optimizer, pp 2 x dp 2 with the distributed one) must restore upstream's exp_avg, exp_avg_sq,
-fp32 main parameters, step and scheduler exactly, and ``pretrain_gpt.py --load`` of such a
-checkpoint trains on.
+tp 2 x dp 2, and saves as Megatron-LM does, as ``torch_dist`` and in the legacy ``torch``
+format; ``--load`` here (fp32, pp 1 with the plain optimizer, pp 2 x dp 2 with the distributed
+one) of every ``torch_dist`` save and of the plain optimizers' legacy saves must restore
+upstream's exp_avg, exp_avg_sq, fp32 main parameters, step and scheduler exactly, and
+``pretrain_gpt.py --load`` of such a checkpoint trains on. The legacy save of the distributed
+optimizer (state in ``distrib_optim.pt``) asks for ``--no-load-optim`` in one line.
 
 The wheel comes from ``MEGATRON_CORE_WHEELS`` (a folder holding megatron_core-0.11.0-*.whl) or
 from the package registry; without either the tests skip.
@@ -315,12 +317,14 @@ def upstream_trained(upstream_site, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("pp,dp,distributed", [(1, 1, False), (2, 2, True)])
 def test_upstream_optimizer_state_loads_here(upstream_trained, pp, dp, distributed):
-    roots = {f"{label}/{kind}": str(upstream_trained / kind / label / "torch_dist")
-             for kind in UPSTREAM_OPTIMIZERS for label in MODELS}
+    # Every torch_dist save; the legacy torch saves of the plain optimizers.
+    roots = {f"{label}/{kind}/{fmt}": str(upstream_trained / kind / label / fmt)
+             for kind, layout in UPSTREAM_OPTIMIZERS.items() for label in MODELS
+             for fmt in ("torch_dist",) + (() if layout["distributed_optimizer"] else ("torch",))}
     results = run_ranks(load_optimizer_here, pp * dp, args=(pp, distributed, roots),
                         timeout_s=120)
     for label in roots:
-        model, kind = label.split("/")
+        model, kind, _ = label.split("/")
         saved = torch.load(upstream_trained / kind / model / "optimizer_state.pt")
         assert saved["step"] == STEPS
         expected = {found: value for key, whole in saved["tensors"].items()
@@ -345,22 +349,62 @@ def test_upstream_optimizer_state_loads_here(upstream_trained, pp, dp, distribut
         assert checked == set(expected), sorted(set(expected) - checked)[:5]
 
 
-@pytest.mark.parametrize("fmt,message", [
-    ("torch_dist", "holds no optimizer state this tree can read: add --no-load-optim"),
-    ("torch", "legacy torch format, whose optimizer state is indexed by upstream's parameter "
-              "groups and is not converted: add --no-load-optim"),
+@pytest.mark.parametrize("saved,fmt,message", [
+    ("upstream_saved", "torch_dist", "holds no optimizer state this tree can read: add "
+                                     "--no-load-optim"),
+    ("upstream_saved", "torch", "holds no optimizer state (saved with --no-save-optim?): add "
+                                "--no-load-optim"),
+    ("upstream_trained", "torch", "saved by upstream's distributed optimizer, which keeps Adam's "
+                                  "state in separate distrib_optim.pt files laid out by its "
+                                  "data-parallel buffers at the saving layout; this tree does "
+                                  "not read those: add --no-load-optim"),
 ])
-def test_upstream_checkpoint_without_optimizer_state_asks_for_no_load_optim(upstream_saved, fmt,
+def test_upstream_checkpoint_without_optimizer_state_asks_for_no_load_optim(request, saved, fmt,
                                                                            message):
     import argparse
 
     from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
 
     args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False)
-    path = upstream_saved / "gpt" / fmt / "iter_0000007"
+    root = request.getfixturevalue(saved)
+    if saved == "upstream_trained":
+        root = root / "distributed"
+        assert (root / "gpt" / fmt / "iter_0000007" / "mp_rank_00" / "distrib_optim.pt").is_file()
+    path = root / "gpt" / fmt / "iter_0000007"
     with pytest.raises(CheckpointError) as raised:
         load_upstream_checkpoint(None, None, None, str(path), args)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("swap", "optimizer state exp_avg of parameter"),
+    ("drop", "are not those upstream builds from its model"),
+])
+def test_upstream_legacy_optimizer_state_that_does_not_fit_its_model_asks_for_no_load_optim(
+        upstream_trained, tmp_path, damage, message):
+    """Parameter numbers that do not map onto the rank's parameters by shape, or groups that are
+    not upstream's, never load: one line names the file."""
+    import argparse
+    import shutil
+
+    from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
+
+    path = tmp_path / "iter_0000007"
+    shutil.copytree(upstream_trained / "plain" / "gpt" / "torch" / "iter_0000007", path)
+    file = path / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(file, weights_only=False)
+    group = next(g for g in state["optimizer"]["param_groups"] if g["wd_mult"] == 1.0)
+    if damage == "swap":  # linear_proj.weight and linear_qkv.weight: other shapes
+        group["params"][0], group["params"][1] = group["params"][1], group["params"][0]
+    else:
+        group["params"].pop()
+    torch.save(state, file)
+    args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False)
+    with pytest.raises(CheckpointError) as raised:
+        load_upstream_checkpoint(None, None, None, str(path), args)
+    text = str(raised.value)
+    assert message in text and str(file) in text and "--no-load-optim" in text, text
+    assert "\n" not in text
 
 
 # tests/distributed/test_trainer.py's small_gpt model, as upstream builds it (vocabulary: the

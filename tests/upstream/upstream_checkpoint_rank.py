@@ -16,7 +16,11 @@ Started by ``test_checkpoint_interop`` with ``PYTHONPATH`` holding only the unpa
   Megatron-LM's Float16Module makes it, with fp32 main parameters), wrap it in upstream's DDP,
   take ``STEPS`` Adam steps with upstream's optimizer and pipeline schedule on ``tokens``, and
   save model, ``optimizer.sharded_state_dict`` and scheduler as Megatron-LM's training loop
-  does (``out/LABEL/torch_dist``); rank 0 also writes ``out/LABEL/optimizer_state.pt``: every
+  does (``out/LABEL/torch_dist``), and the same state in the legacy torch format as
+  Megatron-LM's ``--ckpt-format torch`` writes it (``out/LABEL/torch``: per rank the model, the
+  optimizer's ``state_dict()``, the scheduler and the RNG states; the distributed optimizer's
+  parameter state in ``distrib_optim.pt`` beside it); rank 0 also writes
+  ``out/LABEL/optimizer_state.pt``: every
   optimizer state tensor whole under upstream's sharded key, assembled from the ranks'
   in-memory pieces (not from the checkpoint), and the step count.
 
@@ -274,6 +278,37 @@ def assemble(pieces: list[tuple]) -> dict[str, torch.Tensor]:
     return wholes
 
 
+def save_legacy_torch(model, optimizer, scheduler, args, out: Path, command: dict) -> None:
+    """What Megatron-LM's ``save_checkpoint`` writes with ``--ckpt-format torch``: one
+    ``model_optim_rng.pt`` per tensor- and pipeline-parallel rank, from data-parallel rank 0;
+    the distributed optimizer's per-parameter state goes to ``distrib_optim.pt`` beside it."""
+    import random
+
+    import numpy
+
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    folder = out / "torch" / f"iter_{ITERATION:07d}" / (
+        f"mp_rank_{tp_rank:02d}" if command["pp"] == 1
+        else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+    if command["distributed_optimizer"]:
+        # Collective over the data-parallel group; its first rank writes the file.
+        folder.mkdir(parents=True, exist_ok=True)
+        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    if parallel_state.get_data_parallel_rank() != 0:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    rng_state = [{"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+                  "torch_rng_state": torch.get_rng_state()}]
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                "model": model.state_dict_for_save_checkpoint(),
+                "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(), "rng_state": rng_state,
+                "num_floating_point_operations_so_far": 0}, folder / "model_optim_rng.pt")
+
+
 def train_and_save(model, spec: dict, out: Path, command: dict) -> None:
     """Train a few steps, save as Megatron-LM's loop does, dump the state for comparison."""
     from megatron.core import dist_checkpointing
@@ -288,8 +323,11 @@ def train_and_save(model, spec: dict, out: Path, command: dict) -> None:
     dist_dir = out / "torch_dist" / f"iter_{ITERATION:07d}"
     if dist.get_rank() == 0:
         dist_dir.mkdir(parents=True, exist_ok=True)
-        (out / "torch_dist" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        for root in ("torch", "torch_dist"):
+            (out / root).mkdir(parents=True, exist_ok=True)
+            (out / root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     dist.barrier()
+    save_legacy_torch(model, optimizer, scheduler, args, out, command)
     model_state = model.sharded_state_dict()
     dist_checkpointing.save({"model": model_state,
                              "optimizer": optimizer.sharded_state_dict(model_state),

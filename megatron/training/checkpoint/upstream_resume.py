@@ -3,15 +3,17 @@
 The model shape is checked against the checkpoint's args (one line naming the first flag that
 differs), the weights are loaded at this run's layout, and the iteration and consumed samples
 carry on. Optimizer state loads where the format carries it in a form this tree reads, at any
-tp/pp/dp layout and with or without ``--use-distributed-optimizer`` here: upstream's
-``torch_dist`` as saved by its plain optimizers (FP32 and mixed precision) or by its distributed
-optimizer's default ``fully_sharded_model_space`` layout gives Adam's exp_avg and exp_avg_sq,
-the fp32 main parameters where saved, the step count, the parameter groups' hyperparameters,
-the loss scaler and the learning-rate scheduler. Other checkpoints (the legacy ``torch``
-format, whose optimizer state follows upstream's parameter-group order at the saving layout;
-``torch_dist`` saved with --no-save-optim or another distributed-optimizer layout) stop with
-one line asking for ``--no-load-optim``, with which, as upstream does, the optimizer and the
-scheduler start afresh.
+tp/pp/dp layout and with or without ``--use-distributed-optimizer`` here: upstream's plain
+optimizers (FP32 and mixed precision) saved as ``torch_dist`` or in the legacy ``torch`` format
+(whose parameter numbers are mapped to names by rebuilding upstream's parameter groups, checked
+by shape), and upstream's distributed optimizer saved as ``torch_dist`` in its default
+``fully_sharded_model_space`` layout, give Adam's exp_avg and exp_avg_sq, the fp32 main
+parameters where saved, the step count, the parameter groups' hyperparameters, the loss scaler
+and the learning-rate scheduler. Other checkpoints (saved with --no-save-optim; the
+distributed optimizer's legacy ``torch`` save, whose state sits in separate ``distrib_optim.pt``
+files laid out by its data-parallel buffers; ``torch_dist`` in another distributed-optimizer
+layout) stop with one line asking for ``--no-load-optim``, with which, as upstream does, the
+optimizer and the scheduler start afresh.
 """
 
 from __future__ import annotations
