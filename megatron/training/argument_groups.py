@@ -183,9 +183,9 @@ class CheckpointArgs:
     finetune: bool = option(False, "load model weights only and start at iteration 0")
     ckpt_format: str = option(
         "layout_free", "format --save writes: this tree's layout_free (weights and optimizer "
-        "state loadable at any layout) or upstream's torch_dist (weights and scheduler, for "
-        "megatron-core); --load detects the format itself", choices=("layout_free", "torch",
-                                                                     "torch_dist"))
+        "state loadable at any layout) or upstream's torch_dist (weights, scheduler and the "
+        "optimizer state in upstream's plain-optimizer layout, for megatron-core); --load "
+        "detects the format itself", choices=("layout_free", "torch", "torch_dist"))
     auto_detect_ckpt_format: bool = option(False, "accepted for upstream's scripts: --load "
                                            "always detects the format")
 

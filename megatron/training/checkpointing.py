@@ -163,10 +163,11 @@ def _write_state(partial: str, iteration: int, model, optimizer, opt_param_sched
     args = get_args()
     rank = dist.get_rank() if dist.is_initialized() else 0
     saved_args = {k: v for k, v in vars(args).items() if _plain(v)}
-    if args.ckpt_format == "torch_dist":  # upstream's format: model and scheduler only
+    if args.ckpt_format == "torch_dist":  # upstream's format, its plain optimizers' layout
         save_torch_dist(model, partial, iteration=iteration, args=saved_args,
                         consumed_samples=consumed_samples,
-                        scheduler_state=opt_param_scheduler.state_dict())
+                        scheduler_state=opt_param_scheduler.state_dict(),
+                        optimizer=None if args.no_save_optim else optimizer)
         return
     state = {name: join_shards(tensor.detach(), param).cpu()
              for name, tensor, param in model_tensors(model)}

@@ -5,7 +5,8 @@ At one layout, with the default dropout, a run stopped by ``--exit-interval`` an
 optimizer state (Adam moments, step counts, fp32 main parameters) follows the weights: saved at
 one layout and saved again after loading at another, every tensor is bit-identical, and a run
 resumed at another layout continues with the losses a same-layout resume gives (fp32; the
-tolerance is for the other reduction order of another layout).
+tolerance is for the other reduction order of another layout). A ``--ckpt-format torch_dist``
+save (upstream's format, optimizer state in its plain optimizers' layout) resumes so too.
 """
 
 import pytest
@@ -94,6 +95,23 @@ def test_resume_at_another_layout_continues_like_a_same_layout_resume(source, ta
     _train(data, source, 8, "--save", str(tmp_path), "--exit-interval", "4")
     same = _train(data, source, 8, "--load", str(tmp_path))
     other = _train(data, target, 8, "--load", str(tmp_path))
+    assert sorted(same) == sorted(other) == [5, 6, 7, 8]
+    for iteration, value in same.items():
+        assert other[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE), iteration
+
+
+def test_resume_from_our_torch_dist_save_at_another_layout_restores_the_optimizer(data,
+                                                                                  tmp_path):
+    # torch_dist carries the optimizer state in upstream's plain-optimizer layout: --load at
+    # dp 2 with the distributed optimizer (no --no-load-optim) continues like a same-layout
+    # resume of this tree's own format.
+    own, dist_save = tmp_path / "layout_free", tmp_path / "torch_dist"
+    _train(data, "tp2-pp2", 8, "--save", str(own), "--exit-interval", "4")
+    same = _train(data, "tp2-pp2", 8, "--load", str(own))
+    _train(data, "tp2-pp2", 8, "--save", str(dist_save), "--exit-interval", "4",
+           "--ckpt-format", "torch_dist")
+    assert (dist_save / "iter_0000004" / "metadata.json").is_file()
+    other = _train(data, "dp2-distributed-optimizer", 8, "--load", str(dist_save))
     assert sorted(same) == sorted(other) == [5, 6, 7, 8]
     for iteration, value in same.items():
         assert other[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE), iteration

@@ -4,7 +4,9 @@ Upstream's ``GPTModel`` (local spec) is built at tp 2 x pp 2 on CPU/gloo ranks t
 wheel (``upstream_checkpoint_rank.py``) and saved in its legacy ``torch`` format and as
 ``torch_dist``; this tree loads both at pp 1 and at pp 4 and must give upstream's logits on the
 same tokens. Then this tree saves ``torch_dist`` at tp 2 x pp 2 and upstream's
-``dist_checkpointing.load`` reads it at tp 1, again with the same logits. Two model shapes:
+``dist_checkpointing.load`` reads it at tp 1, again with the same logits, and its plain
+optimizer's ``sharded_state_dict(..., is_loading=True)`` + ``load_state_dict`` take our
+optimizer state (exp_avg, exp_avg_sq bit for bit, the step, the parameter groups). Two model shapes:
 Llama-like (RMSNorm, SwiGLU, rope, grouped-query attention, untied output, no biases) and
 GPT-2-like (LayerNorm, GeLU, learned positions, biases, tied output).
 
@@ -63,6 +65,7 @@ UPSTREAM_OPTIMIZERS = {
     "distributed": {"tp": 2, "pp": 1, "distributed_optimizer": True},
 }
 LR, STEPS = 0.01, 3
+OUR_STEP = 5  # the step count of this tree's saved optimizer state
 
 MODELS = {
     "llama": {
@@ -180,21 +183,37 @@ def load_here(rank: int, world: int, pp: int, checkpoints: dict[str, str]) -> di
     return found
 
 
-def save_here(rank: int, world: int, out: str) -> dict:
-    """At tp 2 x pp 2: save each model as torch_dist and return its logits."""
+def save_here(rank: int, world: int, out: str) -> tuple[dict, dict]:
+    """At tp 2 x pp 2: save each model with its plain optimizer (made-up Adam state at step
+    OUR_STEP) as torch_dist; the logits, and the optimizer tensors this rank wrote whole."""
     from megatron.core import parallel_state
     from megatron.training.checkpoint.dist_save import save_torch_dist
+    from megatron.training.checkpoint.optimizer_state import optimizer_state_to_save
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
                                              pipeline_model_parallel_size=2)
-    found = {}
+    found, written = {}, {}
     for label, spec in MODELS.items():
         model = our_model(spec, 2, 2)
-        save_torch_dist([model], os.path.join(out, label), iteration=3, args=spec["args"],
-                        consumed_samples=0, scheduler_state=None)
+        wrapped, optimizer, scheduler = optimizer_and_scheduler(model, distributed=False)
+        optimizer.init_state_fn(optimizer.optimizer)
+        torch.manual_seed(rank)
+        for state in optimizer.optimizer.state.values():
+            state["exp_avg"].copy_(torch.randn_like(state["exp_avg"]))
+            state["exp_avg_sq"].copy_(torch.rand_like(state["exp_avg_sq"]))
+            state["step"].fill_(OUR_STEP)
+        save_torch_dist([wrapped], os.path.join(out, label), iteration=3, args=spec["args"],
+                        consumed_samples=0, scheduler_state=scheduler.state_dict(),
+                        optimizer=optimizer)
+        # The last stage's tied output layer holds its own (here: other made-up) state for the
+        # embeddings; the first stage's is saved.
+        written[label] = {key: whole.numpy() for key, whole in
+                          optimizer_state_to_save([wrapped], optimizer).items()
+                          if parallel_state.is_pipeline_first_stage()
+                          or not key.endswith(".embedding.word_embeddings.weight")}
         logits = pipeline_logits(model, torch.tensor(TOKENS))
         found[label] = logits if parallel_state.get_tensor_model_parallel_rank() == 0 else None
-    return found
+    return found, written
 
 
 def last_stage(results: list[dict]) -> dict[str, torch.Tensor]:
@@ -227,13 +246,26 @@ def test_upstream_tp2_pp2_checkpoints_load_here(upstream_saved, pp):
 
 
 def test_upstream_loads_our_tp2_pp2_torch_dist_at_tp1(upstream_site, tmp_path):
-    ours = last_stage(run_ranks(save_here, 4, args=(str(tmp_path / "ours"),), timeout_s=120))
+    # Weights and, into upstream's plain optimizer, the optimizer state (exp_avg, exp_avg_sq
+    # bit for bit, the common step) and the parameter groups.
+    results = run_ranks(save_here, 4, args=(str(tmp_path / "ours"),), timeout_s=120)
+    ours = last_stage([logits for logits, _ in results])
     out = tmp_path / "upstream"
     run_upstream(upstream_site, 1, {"action": "load", "tp": 1, "pp": 1, "models": MODELS,
                                     "tokens": TOKENS, "load": str(tmp_path / "ours"),
-                                    "out": str(out)})
+                                    "out": str(out), "optimizer": True})
     for label in MODELS:
         assert_same_logits(torch.load(out / label / "logits.pt"), ours[label], label)
+        written = {key: torch.from_numpy(value) for _, by_label in results
+                   for key, value in by_label[label].items()}
+        loaded = torch.load(out / label / "optimizer_loaded.pt")
+        assert loaded["steps"] == [float(OUR_STEP)]
+        assert loaded["wd_mults"] == [0.0, 1.0]
+        assert len(loaded["state"]) == sum(1 for key in written if ".exp_avg." in key)
+        for name, state in loaded["state"].items():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[kind], written[f"optimizer.state.{kind}.{name}"]), (
+                    label, kind, name)
 
 
 def optimizer_and_scheduler(model, distributed: bool):

@@ -8,9 +8,10 @@ Started by ``test_checkpoint_interop`` with ``PYTHONPATH`` holding only the unpa
   torch format (``out/LABEL/torch``, the per-rank files Megatron-LM's training loop writes)
   and as ``torch_dist`` (``out/LABEL/torch_dist``, through
   ``megatron.core.dist_checkpointing.save``), and write the logits on ``tokens``;
-* ``{"action": "load", "tp", "pp", "models", "tokens", "load", "out"}``: build each model at
-  tp x pp, read the ``torch_dist`` iteration directory ``load/LABEL`` with
-  ``dist_checkpointing.load`` into ``model.sharded_state_dict()``, and write the logits.
+* ``{"action": "load", "tp", "pp", "models", "tokens", "load", "out", ["optimizer"]}``: build
+  each model at tp x pp, read the ``torch_dist`` iteration directory ``load/LABEL`` with
+  ``dist_checkpointing.load`` into ``model.sharded_state_dict()`` (with ``optimizer``: and
+  into upstream's plain optimizer, see ``load_with_optimizer``), and write the logits.
 * ``{"action": "train_save", "tp", "pp", "distributed_optimizer", ["bf16",] "models", "tokens",
   "out"}``: build each model at tp x pp (data-parallel over the other ranks; bf16 as
   Megatron-LM's Float16Module makes it, with fp32 main parameters), wrap it in upstream's DDP,
@@ -345,6 +346,31 @@ def train_and_save(model, spec: dict, out: Path, command: dict) -> None:
                    out / "optimizer_state.pt")
 
 
+def load_with_optimizer(model, directory: Path, out: Path) -> None:
+    """As Megatron-LM's ``load_checkpoint`` with the plain optimizer: model and
+    ``optimizer.sharded_state_dict(..., is_loading=True)`` through ``dist_checkpointing.load``,
+    then ``optimizer.load_state_dict``; writes ``out/optimizer_loaded.pt``: each parameter's
+    exp_avg and exp_avg_sq by name, the steps and the groups' wd_mult."""
+    from megatron.core import dist_checkpointing
+
+    _, optimizer, _ = build_optimizer(model, distributed_optimizer=False)
+    model_state = model.sharded_state_dict()
+    loaded = dist_checkpointing.load(
+        {"model": model_state,
+         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)},
+        str(directory))
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] > 0, loaded
+    state = optimizer.optimizer.state
+    torch.save({"state": {name: {kind: state[param][kind].detach().clone()
+                                 for kind in ("exp_avg", "exp_avg_sq")}
+                          for name, param in model.named_parameters()},
+                "steps": sorted({float(s["step"]) for s in state.values()}),
+                "wd_mults": sorted(group["wd_mult"] for group in optimizer.param_groups)},
+               out / "optimizer_loaded.pt")
+
+
 def main() -> None:
     command = json.loads(sys.argv[1])
     install_cpu_shims()
@@ -381,10 +407,13 @@ def main() -> None:
             save_both_formats(model, spec, out, tp, pp)
         else:
             # As Megatron-LM's training loop asks: the model under "model", common.pt beside it.
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()},
-                                             str(Path(command["load"]) / label))
-            model.load_state_dict(loaded["model"])
-            assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] > 0, loaded
+            if command.get("optimizer"):
+                load_with_optimizer(model, Path(command["load"]) / label, out)
+            else:
+                loaded = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                                 str(Path(command["load"]) / label))
+                model.load_state_dict(loaded["model"])
+                assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] > 0, loaded
         model.eval()
         logits = logits_of(model, torch.tensor(command["tokens"]))
         if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:

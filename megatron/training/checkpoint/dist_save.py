@@ -1,33 +1,88 @@
-"""Save a training run's model as upstream's ``torch_dist`` checkpoint (``--ckpt-format
-torch_dist``), which megatron-core loads at any layout.
+"""Save a training run as upstream's ``torch_dist`` checkpoint (``--ckpt-format torch_dist``),
+which megatron-core loads at any layout.
 
 Collective: every rank joins its tensor-parallel shards; the ranks of tensor- and data-parallel
-rank 0 write the layers their chunks hold, so each piece is written once. Only the model and
-the scheduler go in (upstream's optimizer layout is not written); see the README's table.
+rank 0 write the layers their chunks hold, so each piece is written once. Beside the model and
+the scheduler goes the optimizer state (unless ``--no-save-optim``) in the layout of upstream's
+plain (non-distributed) optimizers, whatever optimizer trained here: ``optimizer.state.<kind>.
+<model key>`` shaped and layer-stacked like the weight it belongs to (kind exp_avg, exp_avg_sq,
+and fp32_param for fp16/bf16 models), each whole tensor written by the one rank that assembled
+it (``optimizer_state.optimizer_state_to_save``), and in ``common.pt`` what upstream's
+``load_state_dict`` takes besides: the parameter groups (without their parameters), the step
+count shared by every parameter as ``common_step``, and an fp16 run's loss scaler. Upstream's
+distributed optimizer keeps another layout and does not read this one.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.training.checkpoint import upstream_dist
+from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, unwrap
+from megatron.training.checkpoint.optimizer_state import STEP, optimizer_state_to_save
+from megatron.training.checkpoint.source import OPTIMIZER_PREFIX, split_optimizer_key
 from megatron.training.checkpoint.upstream_names import to_local
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
+def _everyone(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _param_groups(optimizer) -> list[dict]:
+    """Every rank's parameter groups without their parameters, one per distinct group (a
+    stage may lack one), in the order of the first rank that has it."""
+    mine = [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+    merged: dict[tuple, dict] = {}
+    for groups in _everyone(mine):
+        for group in groups:
+            merged.setdefault(tuple(group.get(key) for key in
+                                    ("wd_mult", "lr_mult", "is_expert_parallel",
+                                     "is_decoupled_lr")), group)
+    return list(merged.values())
+
+
+def _add_optimizer_state(state: dict[str, Any], model_chunks, optimizer,
+                         num_layers: int) -> Optional[torch.Tensor]:
+    """Add this rank's share of the optimizer tensors; returns the step count every parameter
+    shares (collective)."""
+    first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    steps = set()
+    for key, whole in optimizer_state_to_save(model_chunks, optimizer).items():
+        kind, name = split_optimizer_key(key)
+        if kind == STEP:
+            steps.add(float(whole))
+        elif not (name == WORD_EMBEDDINGS and not first_stage):  # a tied copy, as for weights
+            upstream_dist.add_tensor(state, to_local(name), whole, num_layers,
+                                     prefix=f"{OPTIMIZER_PREFIX}{kind}.")
+    steps = set().union(*_everyone(steps))
+    if len(steps) > 1:
+        raise CheckpointError(f"cannot save torch_dist: the optimizer's step counts differ "
+                              f"({sorted(steps)}), upstream keeps one for all parameters")
+    return torch.tensor(steps.pop(), dtype=torch.float32) if steps else None
+
+
 def save_torch_dist(model_chunks, directory: str, *, iteration: int, args: dict[str, Any],
-                    consumed_samples: int, scheduler_state: Optional[dict]) -> None:
+                    consumed_samples: int, scheduler_state: Optional[dict],
+                    optimizer=None) -> None:
+    """Write ``directory``; ``optimizer`` None saves no optimizer state (``--no-save-optim``)."""
     writes = (parallel_state.get_tensor_model_parallel_rank() == 0
               and parallel_state.get_data_parallel_rank() == 0)
     state: dict[str, Any] = {}
+    num_layers = unwrap(model_chunks[0]).config.num_layers
     for chunk in model_chunks:
         model = unwrap(chunk)
-        num_layers = model.config.num_layers
         for name, tensor, param in model_tensors([chunk]):
             whole = join_shards(tensor.detach(), param).cpu()
             # A later stage's tied output layer is a copy of the first stage's embeddings.
@@ -36,7 +91,15 @@ def save_torch_dist(model_chunks, directory: str, *, iteration: int, args: dict[
         if writes:
             for index in model.decoder.global_layer_indices:
                 upstream_dist.add_layer_extra_state(state, index, num_layers)
+    optimizer_common = None
+    if optimizer is not None:
+        step = _add_optimizer_state(state, model_chunks, optimizer, num_layers)
+        groups = _param_groups(optimizer)
+        scaler = getattr(optimizer, "grad_scaler", None)
+        optimizer_common = upstream_dist.optimizer_common_state(
+            groups, step, mixed_precision=bool(args.get("fp16") or args.get("bf16")),
+            grad_scaler_state=None if scaler is None else scaler.state_dict())
     first = not dist.is_initialized() or dist.get_rank() == 0
-    common = (upstream_dist.common_state(iteration, args, consumed_samples, scheduler_state)
-              if first else None)
+    common = (upstream_dist.common_state(iteration, args, consumed_samples, scheduler_state,
+                                         optimizer_common) if first else None)
     upstream_dist.write(state, directory, common)

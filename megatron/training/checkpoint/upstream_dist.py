@@ -279,14 +279,16 @@ def _load_common(path: str) -> dict:
         raise CheckpointFormatError(f"{common_file} is unreadable: {error}") from None
 
 
-def add_tensor(state: dict[str, Any], name: str, tensor: torch.Tensor, num_layers: int) -> None:
-    """Put a whole tensor under its upstream key: a layer's as one piece of the stacked key."""
+def add_tensor(state: dict[str, Any], name: str, tensor: torch.Tensor, num_layers: int,
+               prefix: str = "") -> None:
+    """Put a whole tensor under its upstream key (after ``prefix``, as an optimizer state's
+    kind): a layer's as one piece of the stacked key."""
     layer = split_layer(name)
     if layer is None:
-        state[to_te(name)] = tensor
+        state[prefix + to_te(name)] = tensor
         return
     index, rest = layer
-    key = to_te(LAYER_PREFIX + rest)
+    key = prefix + to_te(LAYER_PREFIX + rest)
     pieces = state.setdefault(key, dcp_chunks.TensorPieces((num_layers, *tensor.shape), {}))
     pieces.pieces[(index,) + (0,) * tensor.dim()] = tensor.unsqueeze(0)
 
@@ -297,13 +299,35 @@ def add_layer_extra_state(state: dict[str, Any], index: int, num_layers: int) ->
         state[f"{LAYER_PREFIX}{module}.{EXTRA_STATE}/shard_{index}_{num_layers}"] = [None]
 
 
+def optimizer_common_state(param_groups: list[dict], step: Optional[torch.Tensor], *,
+                           mixed_precision: bool, grad_scaler_state: Optional[dict]
+                           ) -> dict[str, Any]:
+    """What of a plain optimizer's state is no sharded tensor, nested as upstream's
+    ``sharded_state_dict`` leaves it once the tensors are taken out: the torch optimizer's
+    ``{"state": {"common_step": step}, "param_groups": [...]}`` (groups without their
+    parameters, which the loading side adds), wrapped for the mixed-precision optimizer as
+    ``{"optimizer": ..., "grad_scaler": ...}`` (the scaler where one runs)."""
+    inner = {"state": {"common_step": step}, "param_groups": param_groups}
+    if not mixed_precision:
+        return inner
+    wrapped: dict[str, Any] = {"optimizer": inner}
+    if grad_scaler_state:
+        wrapped["grad_scaler"] = grad_scaler_state
+    return wrapped
+
+
 def common_state(iteration: int, args: dict[str, Any], consumed_samples: int,
-                 scheduler_state: Optional[dict]) -> dict[str, Any]:
-    """``common.pt`` as Megatron-LM writes it (args as a Namespace), plus consumed samples."""
-    return {"args": argparse.Namespace(**{**args, "consumed_train_samples": consumed_samples}),
-            "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "opt_param_scheduler": scheduler_state, "consumed_samples": consumed_samples,
-            "num_floating_point_operations_so_far": 0}
+                 scheduler_state: Optional[dict], optimizer: Optional[dict] = None
+                 ) -> dict[str, Any]:
+    """``common.pt`` as Megatron-LM writes it (args as a Namespace), plus consumed samples;
+    ``optimizer``: ``optimizer_common_state``'s part, where optimizer state is saved."""
+    common = {"args": argparse.Namespace(**{**args, "consumed_train_samples": consumed_samples}),
+              "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+              "opt_param_scheduler": scheduler_state, "consumed_samples": consumed_samples,
+              "num_floating_point_operations_so_far": 0}
+    if optimizer is not None:
+        common["optimizer"] = optimizer
+    return common
 
 
 def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]]) -> None:
