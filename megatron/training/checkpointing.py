@@ -47,6 +47,7 @@ from megatron.training.checkpoint.formats import (
     tracked_iteration_dir,
 )
 from megatron.training.checkpoint.layout_free import FORMAT_VERSION, LayoutFreeSource
+from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import (
@@ -113,11 +114,7 @@ def _failure_anywhere(step) -> Optional[str]:
         mine = _first_cause(error)
         if not isinstance(error, CheckpointException):  # which names the rank already
             mine = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {mine}"
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return next((cause for cause in everyone if cause is not None), None)
+    return next((cause for cause in from_every_rank(mine) if cause is not None), None)
 
 
 def _first_cause(error: BaseException) -> str:

@@ -24,33 +24,16 @@ from megatron.core import parallel_state
 from megatron.training.checkpoint import upstream_dist
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, unwrap
-from megatron.training.checkpoint.optimizer_state import STEP, optimizer_state_to_save
+from megatron.training.checkpoint.optimizer_state import (
+    STEP,
+    group_settings,
+    optimizer_state_to_save,
+)
+from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.source import OPTIMIZER_PREFIX, split_optimizer_key
 from megatron.training.checkpoint.upstream_names import to_local
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-
-
-def _everyone(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _param_groups(optimizer) -> list[dict]:
-    """Every rank's parameter groups without their parameters, one per distinct group (a
-    stage may lack one), in the order of the first rank that has it."""
-    mine = [{key: value for key, value in group.items() if key != "params"}
-            for group in optimizer.param_groups]
-    merged: dict[tuple, dict] = {}
-    for groups in _everyone(mine):
-        for group in groups:
-            merged.setdefault(tuple(group.get(key) for key in
-                                    ("wd_mult", "lr_mult", "is_expert_parallel",
-                                     "is_decoupled_lr")), group)
-    return list(merged.values())
 
 
 def _add_optimizer_state(state: dict[str, Any], model_chunks, optimizer,
@@ -66,7 +49,7 @@ def _add_optimizer_state(state: dict[str, Any], model_chunks, optimizer,
         elif not (name == WORD_EMBEDDINGS and not first_stage):  # a tied copy, as for weights
             upstream_dist.add_tensor(state, to_local(name), whole, num_layers,
                                      prefix=f"{OPTIMIZER_PREFIX}{kind}.")
-    steps = set().union(*_everyone(steps))
+    steps = set().union(*from_every_rank(steps))
     if len(steps) > 1:
         raise CheckpointError(f"cannot save torch_dist: the optimizer's step counts differ "
                               f"({sorted(steps)}), upstream keeps one for all parameters")
@@ -94,7 +77,7 @@ def save_torch_dist(model_chunks, directory: str, *, iteration: int, args: dict[
     optimizer_common = None
     if optimizer is not None:
         step = _add_optimizer_state(state, model_chunks, optimizer, num_layers)
-        groups = _param_groups(optimizer)
+        groups = group_settings(optimizer, every_key=True)
         scaler = getattr(optimizer, "grad_scaler", None)
         optimizer_common = upstream_dist.optimizer_common_state(
             groups, step, mixed_precision=bool(args.get("fp16") or args.get("bf16")),

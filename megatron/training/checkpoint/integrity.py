@@ -21,6 +21,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint.ranks import from_every_rank
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -138,11 +139,7 @@ def verify_checkpoint(directory: str) -> bool:
                           world_size)[rank]
     problems = {name: problem for name in share
                 if (problem := check_file(directory, name, files[name]))}
-    everyone = [problems]
-    if world_size > 1:
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, problems)
-    found = {name: problem for share_problems in everyone for name, problem in
+    found = {name: problem for share_problems in from_every_rank(problems) for name, problem in
              share_problems.items()}
     if found:
         more = f" (and {len(found) - 1} more bad files)" if len(found) > 1 else ""

@@ -36,6 +36,7 @@ from megatron.training.checkpoint.model_tensors import (
     model_tensors,
     my_shard,
 )
+from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.source import CheckpointSource, optimizer_key
 from megatron.training.checkpoint.upstream_names import to_local
 
@@ -100,11 +101,7 @@ def _state_keys(optimizer: MegatronOptimizer) -> list[str]:
     but a rank that owns no piece yet, or has not stepped, has none to look at)."""
     keys = {key for state in optimizer.optimizer.state.values() for key, value in state.items()
             if torch.is_tensor(value) and value.dim() > 0}
-    if dist.is_initialized():
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(keys))
-        keys = {key for rank_keys in everyone for key in rank_keys}
-    return sorted(keys)
+    return sorted({key for rank_keys in from_every_rank(sorted(keys)) for key in rank_keys})
 
 
 def _step_of(optimizer: MegatronOptimizer, main: torch.Tensor) -> Optional[float]:
@@ -176,16 +173,15 @@ def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer) -> dict[
     return entries
 
 
-def group_settings(optimizer: MegatronOptimizer) -> list[dict]:
-    """Every parameter group's hyperparameters, from all ranks (a stage may lack a group)."""
-    mine = [{k: group[k] for k in _GROUP_KEYS + HYPERPARAMETERS if k in group}
+def group_settings(optimizer: MegatronOptimizer, every_key: bool = False) -> list[dict]:
+    """Every parameter group's hyperparameters (``every_key``: all its entries but the
+    parameters), from all ranks, one per group (a stage may lack a group) in the order of the
+    first rank that has it (collective)."""
+    mine = [{k: v for k, v in group.items()
+             if k != "params" and (every_key or k in _GROUP_KEYS + HYPERPARAMETERS)}
             for group in optimizer.param_groups]
-    everyone = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
     merged = {}
-    for groups in everyone:
+    for groups in from_every_rank(mine):
         for group in groups:
             merged.setdefault(tuple(group.get(k) for k in _GROUP_KEYS), group)
     return list(merged.values())
