@@ -348,8 +348,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             print_rank_0(f"exiting at iteration {iteration} ({reason})")
             if writer is not None:
                 writer.close()
-            if dist.is_initialized():
-                dist.barrier()
+            _leave_together()
             raise SystemExit(0)
     if writer is not None:
         writer.close()
