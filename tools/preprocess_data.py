@@ -17,6 +17,7 @@ run leaves no ``.idx`` that looks valid. A bad line stops the run with its line 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
@@ -146,8 +147,25 @@ def _encode_batch(batch: tuple[int, list[bytes]], args: argparse.Namespace,
     return encoded, documents, sum(len(line) for line in lines)
 
 
+def _die_with_parent(parent: int) -> None:
+    """On Linux, have the kernel kill this worker the moment the main process dies.
+
+    Polling the parent's pid alone is not enough: a main process killed while writing a task
+    leaves half a message in the queue, and the worker reading it blocks forever (it holds
+    the pipe's write end itself, so no end-of-file comes), keeping the caller's pipes open.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the pid poll in the worker loop remains
+        return
+    prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)
+
+
 def _worker_loop(args: argparse.Namespace, tasks, results, parent: int) -> None:
     """Tokenize ``(number, batch)`` tasks until None; answer ``(number, ok, result or error)``."""
+    _die_with_parent(parent)
     # Ctrl-C is handled once, by the main process, which then stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
