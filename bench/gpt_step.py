@@ -16,7 +16,10 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
   1 (fp32 master weights, gradients and Adam state, as the trainer keeps them);
 * ``trainer`` and ``trainer-distopt``: ``pretrain_gpt.py``'s own step (``megatron.training``'s
   loop, DDP gradient buffers, the bf16 optimizer with fp32 main parameters, clipping, the log
-  line with ``--log-throughput``), without and with ``--use-distributed-optimizer``.
+  line with ``--log-throughput``), without and with ``--use-distributed-optimizer``;
+* ``trainer-varlen``: the trainer with ``--variable-seq-lengths`` on samples whose lengths are
+  uniform in 50-100% of the sequence length, collated as the data loader does (each
+  microbatch padded to its longest sample); its tokens/s counts real tokens only.
 
 ``--torch-compile`` adds compiled variants of ours and plain torch. Each implementation runs
 in its own process; the step time is the median of ``--steps`` steps after ``--warmup``.
@@ -38,8 +41,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
-# pretrain_gpt.py's own step; the value: whether the distributed optimizer is on.
-TRAINERS = {"trainer": False, "trainer-distopt": True}
+# pretrain_gpt.py's own step: name -> (distributed optimizer on, variable-length microbatches).
+TRAINERS = {"trainer": (False, False), "trainer-distopt": (True, False),
+            "trainer-varlen": (False, True)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,9 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--impls", default="ours,trainer,trainer-distopt,mcore,torch,torch-amp",
-                        help="comma-separated subset of ours, trainer, trainer-distopt, mcore, "
-                        "torch, torch-amp, and ours-unfused (no fusions) or ours-act (only the "
+    parser.add_argument("--impls", default="ours,trainer,trainer-distopt,trainer-varlen,mcore,"
+                        "torch,torch-amp",
+                        help="comma-separated subset of ours, trainer, trainer-distopt, "
+                        "trainer-varlen, mcore, torch, torch-amp, and ours-unfused (no fusions) or ours-act (only the "
                         "bias-activation fusion)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="also run ours and plain torch under torch.compile")
@@ -67,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer-args", default="",
                         help="more pretrain_gpt.py flags for the trainer rows, e.g. "
                         "'--clip-grad 0'")
+    parser.add_argument("--pad-multiple", type=int,
+                        help="round trainer-varlen's microbatch lengths up to a multiple of this "
+                        "(default: the data loader's rule)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -195,7 +203,7 @@ def write_profile(args, torch, run) -> None:
     (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
 
 
-def trainer_argv(args, distributed_optimizer: bool) -> list[str]:
+def trainer_argv(args, distributed_optimizer: bool, variable: bool) -> list[str]:
     """pretrain_gpt.py's flags for the bench's shape: bf16 with fp32 main parameters and
     gradients, gradient clipping, Adam, one micro-batch per step."""
     argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -212,10 +220,27 @@ def trainer_argv(args, distributed_optimizer: bool) -> list[str]:
             "--train-iters", str(args.warmup + args.steps), "--log-interval", str(args.steps),
             "--eval-iters", "0", "--distributed-backend", "nccl"]
     return (argv + (["--use-distributed-optimizer"] if distributed_optimizer else [])
-            + args.trainer_args.split())
+            + (["--variable-seq-lengths"] if variable else []) + args.trainer_args.split())
 
 
-def run_trainer_worker(args, distributed_optimizer: bool) -> dict:
+def variable_length_batches(args, generator, multiple: int) -> list[dict]:
+    """Microbatches of samples with lengths uniform in [seq/2, seq], collated as the data
+    loader collates them (padded to the longest, no loss on the padding)."""
+    import torch
+    from megatron.training.data_loading import collate
+
+    def sample():
+        length = int(torch.randint(args.seq_length // 2, args.seq_length + 1, (),
+                                   generator=generator))
+        tokens = torch.randint(0, args.vocab_size, (length + 1,), generator=generator)
+        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(length),
+                "position_ids": torch.arange(length)}
+
+    return [collate([sample() for _ in range(args.micro_batch_size)], pad_id=0,
+                    multiple_of=multiple) for _ in range(64)]
+
+
+def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dict:
     """The step exactly as pretrain_gpt.py runs it on one GPU: DDP gradient buffers, the
     mixed-precision optimizer with clipping, loss averaging, timers and the log line."""
     import contextlib
@@ -229,23 +254,30 @@ def run_trainer_worker(args, distributed_optimizer: bool) -> dict:
     import pretrain_gpt
     from megatron.training import get_args, training
     from megatron.training.initialize import initialize_megatron
+    from megatron.training.data_loading import pad_multiple
     from megatron.training.timers import Timers
 
-    initialize_megatron(argv=trainer_argv(args, distributed_optimizer))
+    initialize_megatron(argv=trainer_argv(args, distributed_optimizer, variable))
     timers = Timers(log_level=1)
     model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
     config = training.step_config(model, optimizer, timers)
     generator = torch.Generator().manual_seed(1)
     shape = (args.micro_batch_size, args.seq_length)
-    batch = {"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
-             "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
-             "loss_mask": torch.ones(shape),
-             "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}
-    batch = {key: value.pin_memory() for key, value in batch.items()}
+    if variable:
+        multiple = args.pad_multiple or pad_multiple(get_args())
+        pool = variable_length_batches(args, generator, multiple)
+    else:
+        pool = [{"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
+                 "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
+                 "loss_mask": torch.ones(shape),
+                 "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}]
+    pool = [{key: value.pin_memory() for key, value in batch.items()} for batch in pool]
+    served: list[dict] = []  # one microbatch per step
 
     def batches():
         while True:
-            yield batch
+            served.append(pool[len(served) % len(pool)])
+            yield served[-1]
 
     def train(iteration: int, last: int) -> tuple[float, str]:
         get_args().train_iters = last
@@ -261,6 +293,8 @@ def run_trainer_worker(args, distributed_optimizer: bool) -> dict:
     train(0, args.warmup)
     torch.cuda.reset_peak_memory_stats()
     step_s, log = train(args.warmup, args.warmup + args.steps)
+    measured = served[args.warmup:args.warmup + args.steps]
+    lengths = [[int(row.sum()) for row in batch["loss_mask"]] for batch in measured]
     if args.profile:
         last = args.warmup + args.steps
         write_profile(args, torch, lambda: train(last, last + 2))
@@ -269,6 +303,9 @@ def run_trainer_worker(args, distributed_optimizer: bool) -> dict:
     return {
         "parameters": sum(p.numel() for chunk in model for p in chunk.parameters()),
         "step_s": step_s, "step_s_min": step_s, "first_loss": losses[0], "last_loss": losses[-1],
+        "real_tokens_per_step": statistics.mean(sum(rows) for rows in lengths),
+        "real_flops_per_step": statistics.mean(step_flops(args, rows) for rows in lengths),
+        "padded_tokens_per_step": statistics.mean(batch["tokens"].numel() for batch in measured),
         "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -280,7 +317,7 @@ def run_worker(args) -> dict:
 
     impl, compiled = args.worker.split(":")
     if impl in TRAINERS:
-        return {"impl": impl, "compiled": False, **run_trainer_worker(args, TRAINERS[impl])}
+        return {"impl": impl, "compiled": False, **run_trainer_worker(args, *TRAINERS[impl])}
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     builders = {"ours": build_ours, "mcore": build_mcore, "torch": build_torch,
@@ -333,10 +370,16 @@ def run_worker(args) -> dict:
 # The driver: one process per run, then the table and the ratio lines.
 
 
-def step_flops(args) -> float:
+def step_flops(args, lengths=None) -> float:
+    """Model FLOPs of one step: micro-batch-size samples of the full sequence length, or one
+    sample of each of ``lengths``."""
     sys.path.insert(0, str(REPO))
     from megatron.training.flops import num_floating_point_operations
 
+    if lengths is not None:
+        return sum(step_flops(types.SimpleNamespace(**{**vars(args), "seq_length": length,
+                                                       "micro_batch_size": 1}))
+                   for length in lengths)
     shape = types.SimpleNamespace(
         hidden_size=args.hidden_size, seq_length=args.seq_length, num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads, kv_channels=None,
@@ -402,11 +445,12 @@ def main(argv=None) -> int:
         if "error" in result:
             print(f"{worker:16s} FAILED: {result['error']}", flush=True)
             continue
-        result["tokens_per_s"] = tokens / result["step_s"]
-        result["mfu"] = flops / result["step_s"] / (args.peak_tflops * 1e12)
+        result["tokens_per_s"] = result.get("real_tokens_per_step", tokens) / result["step_s"]
+        result["flops"] = result.get("real_flops_per_step", flops)
+        result["mfu"] = result["flops"] / result["step_s"] / (args.peak_tflops * 1e12)
         print(f"{worker:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
               f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
-              f"{flops / result['step_s'] / 1e12:6.1f} TFLOP/s  MFU {100 * result['mfu']:5.1f}%  "
+              f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  MFU {100 * result['mfu']:5.1f}%  "
               f"{result['peak_memory_gib']:5.1f} GiB  {result['parameters'] / 1e9:.3f}B params  "
               f"loss {result['first_loss']:.3f}->{result['last_loss']:.3f}  "
               f"({result['device']}, torch {result['torch']})", flush=True)
@@ -423,7 +467,9 @@ def main(argv=None) -> int:
     if args.torch_compile:
         print(at_least_line("ours/plain-torch tokens/s (compiled)",
                             throughput("ours:compiled") / throughput("torch:compiled"), 1.0))
-    for trainer in TRAINERS:
+    for trainer, (_, variable) in TRAINERS.items():
+        if variable:
+            continue
         if f"{trainer}:eager" in results and "error" not in results[f"{trainer}:eager"]:
             result = results[f"{trainer}:eager"]
             print(at_least_line(f"{trainer}/ours tokens/s (trainer overhead)",
@@ -436,6 +482,13 @@ def main(argv=None) -> int:
             measured = flops / result["step_s"] / 1e12
             print(f"{trainer} log line: {result['logged_tflops']:.1f} TFLOP/s/GPU, bench "
                   f"{measured:.1f} ({100 * (result['logged_tflops'] / measured - 1):+.1f}%)")
+    varlen = results.get("trainer-varlen:eager", {})
+    if "error" not in varlen and "tokens_per_s" in varlen:
+        print(f"trainer-varlen/trainer tokens/s per real token = "
+              f"{throughput('trainer-varlen:eager') / throughput('trainer:eager'):.3f} "
+              f"(lengths uniform in [{args.seq_length // 2}, {args.seq_length}]; real tokens "
+              f"{100 * varlen['real_tokens_per_step'] / varlen['padded_tokens_per_step']:.1f}% "
+              f"of those computed, each microbatch padded to its longest sample)")
     print(at_least_line("MFU ours (best)", 100 * best_ours * flops / tokens
                         / (args.peak_tflops * 1e12), 55.0, "%"))
     return 0

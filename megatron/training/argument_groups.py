@@ -55,6 +55,10 @@ class ModelArgs:
                                        negative=("--no-bias-dropout-fusion",))
     masked_softmax_fusion: bool = option(True, "accepted; SDPA fuses scale, mask and softmax",
                                          negative=("--no-masked-softmax-fusion",))
+    cross_entropy_loss_fusion: bool = option(False, "fuse the loss's passes over the logits "
+                                             "(generated kernels on CUDA)")
+    cross_entropy_fusion_impl: str = option("native", "the fused loss's implementation",
+                                            choices=("native",))
     recompute_granularity: Optional[str] = option(None, "activation recomputation",
                                                   choices=("full", "selective"))
     recompute_method: Optional[str] = option(None, "which layers to recompute (full)",

@@ -70,6 +70,12 @@ def collate(samples: list[dict], *, pad_id: int, multiple_of: int = 1) -> dict[s
     return batch
 
 
+def pad_multiple(args) -> int:
+    """What a variable-length microbatch's length is rounded up to: sequence parallelism
+    splits the sequence over the tensor-parallel ranks."""
+    return args.tensor_model_parallel_size if args.sequence_parallel else 1
+
+
 def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> Optional[
         torch.utils.data.DataLoader]:
     """A loader of this rank's microbatches of ``dataset`` (None for no dataset)."""
@@ -80,7 +86,7 @@ def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> O
     sampler = MicrobatchSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                 parallel_state.get_data_parallel_rank(),
                                 parallel_state.get_data_parallel_world_size())
-    multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    multiple = pad_multiple(args)
     # Each iterator the loader makes draws a worker seed; from the global generator that draw
     # would shift dropout's stream, and a resumed run (loaders made after the checkpoint's
     # generator states are restored) would draw other masks than an uninterrupted one.

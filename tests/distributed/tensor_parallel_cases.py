@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel as tp
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 SEQ, BATCH, IN, OUT, VOCAB = 8, 2, 8, 12, 16
@@ -315,6 +316,12 @@ def check_vocab_parallel_cross_entropy(env: Env) -> None:
         close(loss, expected.detach(), f"cross entropy smoothing={smoothing}: loss")
         (loss * weights).sum().backward()
         close(shard.grad, piece(dense.grad, -1, env), f"cross entropy smoothing={smoothing}: grad")
+        if smoothing == 0.0:
+            fused_shard = piece(logits, -1, env).clone().requires_grad_()
+            loss = fused_vocab_parallel_cross_entropy(fused_shard, target)
+            close(loss, expected.detach(), "fused cross entropy: loss")
+            (loss * weights).sum().backward()
+            close(fused_shard.grad, shard.grad, "fused cross entropy: grad")
 
 
 # ------------------------------------------------------------------ RNG and recomputation

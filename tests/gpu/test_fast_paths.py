@@ -5,6 +5,8 @@
   ``--no-gradient-accumulation-fusion``; the losses must agree within bf16 tolerance.
 * Clipping inside torch's fused AdamW (its ``grad_scale``) against clipping the gradients
   first and stepping a non-fused AdamW, on CUDA.
+* ``--cross-entropy-loss-fusion`` (compiled kernels) against the plain loss: the kernels on
+  logits of two lengths, and 20 training iterations.
 """
 
 import sys
@@ -36,15 +38,46 @@ def _bf16_losses(data, tmp_path, *extra) -> dict[int, float]:
     return found
 
 
-def test_fused_gradient_accumulation_trains_like_the_plain_path(data, tmp_path):
-    fused = _bf16_losses(data, tmp_path / "fused")
-    plain = _bf16_losses(data, tmp_path / "plain", "--no-gradient-accumulation-fusion")
-    worst = max(abs(fused[i] - plain[i]) / abs(plain[i]) for i in plain)
-    print(f"fused gradient accumulation, bf16, {ITERATIONS} iterations: largest relative loss "
-          f"difference {worst:.2e} (losses {plain[1]:.4f} -> {plain[ITERATIONS]:.4f})")
+@pytest.fixture(scope="module")
+def default_losses(data, tmp_path_factory) -> dict[int, float]:
+    return _bf16_losses(data, tmp_path_factory.mktemp("default"))
+
+
+def _compare(name: str, fast: dict[int, float], plain: dict[int, float]) -> None:
+    worst = max(abs(fast[i] - plain[i]) / abs(plain[i]) for i in plain)
+    print(f"{name}, bf16, {ITERATIONS} iterations: largest relative loss difference "
+          f"{worst:.2e} (losses {plain[1]:.4f} -> {plain[ITERATIONS]:.4f})")
     for iteration in plain:
-        assert fused[iteration] == pytest.approx(plain[iteration], rel=BF16_RTOL), iteration
-    assert fused[ITERATIONS] < fused[1] - 0.5  # and it learns
+        assert fast[iteration] == pytest.approx(plain[iteration], rel=BF16_RTOL), iteration
+    assert fast[ITERATIONS] < fast[1] - 0.5  # and it learns
+
+
+def test_fused_gradient_accumulation_trains_like_the_plain_path(data, tmp_path, default_losses):
+    plain = _bf16_losses(data, tmp_path, "--no-gradient-accumulation-fusion")
+    _compare("fused gradient accumulation", default_losses, plain)
+
+
+def test_fused_cross_entropy_trains_like_the_plain_loss(data, tmp_path, default_losses):
+    fused = _bf16_losses(data, tmp_path, "--cross-entropy-loss-fusion")
+    _compare("--cross-entropy-loss-fusion", fused, default_losses)
+
+
+def test_fused_cross_entropy_kernels_on_cuda():
+    from megatron.core import tensor_parallel as tp
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for tokens in (512, 700):  # a second length: the compiled kernels take new shapes
+        logits = (4 * torch.randn(tokens, 2, 32000, device="cuda", generator=generator)).bfloat16()
+        target = torch.randint(0, 32000, (tokens, 2), device="cuda", generator=generator)
+        plain, fused = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        expected = tp.vocab_parallel_cross_entropy(plain, target)
+        loss = fused_vocab_parallel_cross_entropy(fused, target)
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+        weights = torch.rand(tokens, 2, device="cuda", generator=generator)
+        (expected * weights).sum().backward()
+        (loss * weights).sum().backward()
+        torch.testing.assert_close(fused.grad.float(), plain.grad.float(), rtol=1e-2, atol=1e-6)
 
 
 def test_clipping_inside_fused_adam_on_cuda():

@@ -1,4 +1,5 @@
-"""``pointwise_fusion``: run a pointwise function as one generated kernel on CUDA tensors.
+"""``pointwise_fusion``: run a pointwise function (row reductions allowed) as generated
+kernels on CUDA tensors.
 
 torch.compile (Inductor) generates the fused forward and backward kernels, which is what
 upstream's TorchScript/nvFuser fusions did by hand. Compilation happens at the first CUDA call,

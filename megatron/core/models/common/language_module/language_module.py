@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.transformer.module import MegatronModule
 
@@ -43,9 +44,9 @@ class LanguageModule(MegatronModule):
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from labels ``[b, s]`` and vocab-parallel logits ``[s, b, v/tp]``."""
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group
-        )
+        cross_entropy = (fused_vocab_parallel_cross_entropy
+                         if self.config.cross_entropy_loss_fusion else vocab_parallel_cross_entropy)
+        loss = cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group)
         return loss.transpose(0, 1).contiguous()
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
