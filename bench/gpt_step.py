@@ -59,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--impls", default="ours,trainer,trainer-distopt,trainer-varlen,mcore,"
                         "torch,torch-amp",
                         help="comma-separated subset of ours, trainer, trainer-distopt, "
-                        "trainer-varlen, mcore, torch, torch-amp, and ours-unfused (no fusions) or ours-act (only the "
-                        "bias-activation fusion)")
+                        "trainer-varlen, mcore, torch, torch-amp, and ours-unfused (no fusions) "
+                        "or ours-act (only the bias-activation fusion)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="also run ours and plain torch under torch.compile")
     parser.add_argument("--mcore-path", type=Path,
@@ -450,7 +450,8 @@ def main(argv=None) -> int:
         result["mfu"] = result["flops"] / result["step_s"] / (args.peak_tflops * 1e12)
         print(f"{worker:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
               f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
-              f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  MFU {100 * result['mfu']:5.1f}%  "
+              f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  "
+              f"MFU {100 * result['mfu']:5.1f}%  "
               f"{result['peak_memory_gib']:5.1f} GiB  {result['parameters'] / 1e9:.3f}B params  "
               f"loss {result['first_loss']:.3f}->{result['last_loss']:.3f}  "
               f"({result['device']}, torch {result['torch']})", flush=True)

@@ -1,9 +1,10 @@
 """Run a function on N gloo (or NCCL) ranks in fresh processes, with a hard deadline.
 
 Every rank is a process the test started (forked by multiprocessing's fork server, a child
-of the test); the launcher only ever signals the pids it started. A rank that raises reports its traceback; a rank that is still
-running at the deadline dumps its Python stack (faulthandler) before it is
-killed, so a hang becomes a test failure that shows where each rank was stuck.
+of the test); the launcher only ever signals the pids it started. A rank that raises reports
+its traceback; a rank that is still running at the deadline dumps its Python stack
+(faulthandler) before it is killed, so a hang becomes a test failure that shows where each
+rank was stuck.
 
 With ``backend="nccl"`` every rank poses as a one-GPU host and uses GPU 0 (the environment of
 ``tools/launch_nccl_ranks.py``), so several NCCL ranks share one GPU through NCCL's network
