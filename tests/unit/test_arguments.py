@@ -179,3 +179,6 @@ def test_fusion_flags_select_the_fusions_as_upstream(world):
     assert not (off.bias_activation_fusion or off.bias_dropout_fusion or off.masked_softmax_fusion)
     assert config("--swiglu", "--no-bias-gelu-fusion").bias_activation_fusion
     assert not config("--swiglu", "--no-bias-swiglu-fusion").bias_activation_fusion
+    assert not config().cross_entropy_loss_fusion  # off by default, as upstream
+    assert config("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
+                  "native").cross_entropy_loss_fusion
