@@ -371,21 +371,22 @@ def run_worker(args) -> dict:
 
 
 def step_flops(args, lengths=None) -> float:
-    """Model FLOPs of one step: micro-batch-size samples of the full sequence length, or one
-    sample of each of ``lengths``."""
+    """Model FLOPs of one step: one sample of each of ``lengths`` (default: micro-batch-size
+    samples of the full sequence length)."""
     sys.path.insert(0, str(REPO))
     from megatron.training.flops import num_floating_point_operations
 
-    if lengths is not None:
-        return sum(step_flops(types.SimpleNamespace(**{**vars(args), "seq_length": length,
-                                                       "micro_batch_size": 1}))
-                   for length in lengths)
-    shape = types.SimpleNamespace(
-        hidden_size=args.hidden_size, seq_length=args.seq_length, num_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads, kv_channels=None,
-        num_query_groups=None, group_query_attention=False, ffn_hidden_size=4 * args.hidden_size,
-        swiglu=False, padded_vocab_size=args.vocab_size, vocab_size=args.vocab_size)
-    return num_floating_point_operations(shape, args.micro_batch_size)
+    def shape(length: int):
+        return types.SimpleNamespace(
+            hidden_size=args.hidden_size, seq_length=length, num_layers=args.num_layers,
+            num_attention_heads=args.num_attention_heads, kv_channels=None,
+            num_query_groups=None, group_query_attention=False,
+            ffn_hidden_size=4 * args.hidden_size, swiglu=False,
+            padded_vocab_size=args.vocab_size, vocab_size=args.vocab_size)
+
+    if lengths is None:
+        lengths = [args.seq_length] * args.micro_batch_size
+    return sum(num_floating_point_operations(shape(length), 1) for length in lengths)
 
 
 def launch(worker: str, argv: list[str], args) -> dict:

@@ -79,10 +79,10 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
     if backend == "nccl":
         # A one-GPU host of its own (LOCAL_RANK=0, NCCL_HOSTID, loopback); the caller's env wins.
         os.environ.update({**nccl_rank_environment(rank, world_size, port), **env})
-    if "OMP_NUM_THREADS" in env:  # torch was imported (by the fork server) before this env
-        import torch
+    import torch
 
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # torch was imported by the fork server, before this rank's OMP_NUM_THREADS was set.
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     with open(stack_file, "w") as stack_out:
         # Fires shortly before the parent's deadline so the dump is on disk when
         # the parent reads it.

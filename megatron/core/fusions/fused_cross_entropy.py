@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from megatron.core.fusions.compiled import pointwise_fusion
 from megatron.core.tensor_parallel import collectives as coll
-from megatron.core.tensor_parallel.utils import VocabUtility, resolve_tp_group
+from megatron.core.tensor_parallel.cross_entropy import check_target_shape, local_target_ids
+from megatron.core.tensor_parallel.utils import resolve_tp_group
 
 
 @pointwise_fusion
@@ -49,10 +50,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group):
         # max is exact in any dtype, so it needs no fp32 copy of the logits.
         row_max = coll.all_reduce(logits.amax(dim=-1).float(), group, op=dist.ReduceOp.MAX)
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            logits.size(-1), coll.group_rank(group), coll.group_size(group))
-        foreign = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(foreign, 0).long()
+        local_target, foreign = local_target_ids(target, logits.size(-1), group)
         totals = coll.all_reduce(_target_and_exp_sum(logits, row_max, local_target, foreign),
                                  group)
         log_sum = totals[1].log()
@@ -70,9 +68,6 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, targ
                                        tp_group: Any = None) -> torch.Tensor:
     """Per-token cross entropy (float32) of ``[s, b, vocab/tp]`` logits against ``[s, b]`` ids;
     equal to ``tensor_parallel.vocab_parallel_cross_entropy`` without label smoothing."""
-    if target.shape != vocab_parallel_logits.shape[:-1]:
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal the logits shape without its last "
-            f"(vocabulary) dimension, {tuple(vocab_parallel_logits.shape[:-1])}")
+    check_target_shape(vocab_parallel_logits, target)
     return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target,
                                                  resolve_tp_group(tp_group))

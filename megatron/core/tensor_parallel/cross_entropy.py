@@ -17,6 +17,25 @@ from megatron.core.tensor_parallel import collectives as coll
 from megatron.core.tensor_parallel.utils import VocabUtility, resolve_tp_group
 
 
+def local_target_ids(target: torch.Tensor, partition_vocab: int,
+                     group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(local ids, foreign)``: each target id within this rank's vocabulary slice, and
+    where the id lies on another rank (its local id is then 0, to be masked)."""
+    start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        partition_vocab, coll.group_rank(group), coll.group_size(group)
+    )
+    foreign = (target < start) | (target >= end)
+    return (target - start).masked_fill(foreign, 0).long(), foreign
+
+
+def check_target_shape(logits: torch.Tensor, target: torch.Tensor) -> None:
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal the logits shape without its last "
+            f"(vocabulary) dimension, {tuple(logits.shape[:-1])}"
+        )
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing, group):
@@ -27,11 +46,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         partition_vocab = shifted.size(-1)
         tp_size = coll.group_size(group)
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab, coll.group_rank(group), tp_size
-        )
-        foreign = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(foreign, 0).long()
+        local_target, foreign = local_target_ids(target, partition_vocab, group)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(foreign, 0.0)
 
@@ -97,10 +112,6 @@ def vocab_parallel_cross_entropy(
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
-    if target.shape != vocab_parallel_logits.shape[:-1]:
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal the logits shape without its last "
-            f"(vocabulary) dimension, {tuple(vocab_parallel_logits.shape[:-1])}"
-        )
+    check_target_shape(vocab_parallel_logits, target)
     group = resolve_tp_group(tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
