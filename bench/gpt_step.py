@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pad-multiple", type=int,
                         help="round trainer-varlen's microbatch lengths up to a multiple of this "
                         "(default: the data loader's rule)")
+    parser.add_argument("--sdpa-backend", choices=("flash", "cudnn", "efficient"),
+                        help="restrict scaled_dot_product_attention to this kernel (default: "
+                        "torch's choice)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -217,13 +220,13 @@ def trainer_argv(args, distributed_optimizer: bool, variable: bool) -> list[str]
             "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--bf16", "--lr", "1e-4", "--clip-grad", "1.0",
             "--transformer-impl", "local", "--mock-data", "--log-throughput",
-            "--train-iters", str(args.warmup + args.steps), "--log-interval", str(args.steps),
+            "--train-iters", str(2 * args.steps + args.warmup), "--log-interval", str(args.steps),
             "--eval-iters", "0", "--distributed-backend", "nccl"]
     return (argv + (["--use-distributed-optimizer"] if distributed_optimizer else [])
             + (["--variable-seq-lengths"] if variable else []) + args.trainer_args.split())
 
 
-def variable_length_batches(args, generator, multiple: int) -> list[dict]:
+def variable_length_batches(args, generator, multiple: int, count: int) -> list[dict]:
     """Microbatches of samples with lengths uniform in [seq/2, seq], collated as the data
     loader collates them (padded to the longest, no loss on the padding)."""
     import torch
@@ -237,7 +240,7 @@ def variable_length_batches(args, generator, multiple: int) -> list[dict]:
                 "position_ids": torch.arange(length)}
 
     return [collate([sample() for _ in range(args.micro_batch_size)], pad_id=0,
-                    multiple_of=multiple) for _ in range(64)]
+                    multiple_of=multiple, max_length=args.seq_length) for _ in range(count)]
 
 
 def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dict:
@@ -265,13 +268,17 @@ def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dic
     shape = (args.micro_batch_size, args.seq_length)
     if variable:
         multiple = args.pad_multiple or pad_multiple(get_args())
-        pool = variable_length_batches(args, generator, multiple)
+        pool = variable_length_batches(args, generator, multiple, args.steps)
     else:
         pool = [{"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
                  "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
                  "loss_mask": torch.ones(shape),
                  "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}]
-    pool = [{key: value.pin_memory() for key, value in batch.items()} for batch in pool]
+
+    def pin(batches):
+        return [{key: value.pin_memory() for key, value in batch.items()} for batch in batches]
+
+    pool = pin(pool)
     served: list[dict] = []  # one microbatch per step
 
     def batches():
@@ -290,13 +297,26 @@ def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dic
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / (last - iteration), log.getvalue()
 
-    train(0, args.warmup)
+    # Variable lengths: after the start-up steps (on full-length microbatches), a first pass
+    # over the measured microbatches meets each length cold (attention plans and compiled
+    # kernels made for it); the measured pass repeats them, as a long run repeats the
+    # lengths its padding rule allows.
+    cold_s = None
+    if variable:
+        measured_pool = pool
+        pool = pin(variable_length_batches(args, generator, args.seq_length, 1))
+        train(0, args.warmup)
+        pool = measured_pool
+        cold_s = train(args.warmup, args.warmup + len(pool))[0]
+    else:
+        train(0, args.warmup)
+    first = len(served)
     torch.cuda.reset_peak_memory_stats()
-    step_s, log = train(args.warmup, args.warmup + args.steps)
-    measured = served[args.warmup:args.warmup + args.steps]
+    step_s, log = train(first, first + args.steps)
+    measured = served[first:]
     lengths = [[int(row.sum()) for row in batch["loss_mask"]] for batch in measured]
     if args.profile:
-        last = args.warmup + args.steps
+        last = first + args.steps
         write_profile(args, torch, lambda: train(last, last + 2))
     logged = [line for line in log.splitlines() if "throughput per GPU" in line]
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in logged]
@@ -309,10 +329,24 @@ def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dic
         "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        **({"cold_step_s": cold_s, "pad_multiple": multiple,
+            "distinct_lengths": len({batch["tokens"].shape[1] for batch in pool})}
+           if variable else {}),
     }
 
 
 def run_worker(args) -> dict:
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}.get(args.sdpa_backend)
+    with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+        return run_implementation(args)
+
+
+def run_implementation(args) -> dict:
     import torch
 
     impl, compiled = args.worker.split(":")
@@ -486,11 +520,17 @@ def main(argv=None) -> int:
                   f"{measured:.1f} ({100 * (result['logged_tflops'] / measured - 1):+.1f}%)")
     varlen = results.get("trainer-varlen:eager", {})
     if "error" not in varlen and "tokens_per_s" in varlen:
-        print(f"trainer-varlen/trainer tokens/s per real token = "
-              f"{throughput('trainer-varlen:eager') / throughput('trainer:eager'):.3f} "
-              f"(lengths uniform in [{args.seq_length // 2}, {args.seq_length}]; real tokens "
-              f"{100 * varlen['real_tokens_per_step'] / varlen['padded_tokens_per_step']:.1f}% "
-              f"of those computed, each microbatch padded to its longest sample)")
+        ratio = throughput("trainer-varlen:eager") / throughput("trainer:eager")
+        real = varlen["real_tokens_per_step"] / varlen["padded_tokens_per_step"]
+        print(f"trainer-varlen/trainer tokens/s per real token = {ratio:.3f}, per computed "
+              f"token {ratio / real:.3f} (lengths uniform in [{args.seq_length // 2}, "
+              f"{args.seq_length}]; real tokens {100 * real:.1f}% of those computed, each "
+              f"microbatch padded to its longest sample, rounded up to a multiple of "
+              f"{varlen['pad_multiple']})")
+        print(f"trainer-varlen first pass ({varlen['distinct_lengths']} lengths, each met for "
+              f"the first time, with the fused kernels' one-time recompile for dynamic shapes): "
+              f"{varlen['cold_step_s'] * 1e3:.1f} ms/step, against {varlen['step_s'] * 1e3:.1f} "
+              f"once met")
     print(at_least_line("MFU ours (best)", 100 * best_ours * flops / tokens
                         / (args.peak_tflops * 1e12), 55.0, "%"))
     return 0

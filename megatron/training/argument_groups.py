@@ -92,6 +92,10 @@ class ParallelismArgs:
     variable_seq_lengths: bool = option(
         False, "microbatches of different lengths: one document per sample, no packing; the "
                "pipeline sends each tensor's shape with it")
+    variable_seq_length_multiple: Optional[int] = option(
+        None, "with --variable-seq-lengths, round each microbatch's length up to a multiple of "
+              "this many tokens (default: 8 with --distributed-backend nccl, where each new "
+              "length builds its own cuDNN attention plans; 1 otherwise)")
     use_distributed_optimizer: bool = option(False, "shard optimizer state over data parallelism")
     overlap_grad_reduce: bool = option(False, "overlap the data-parallel gradient reduction "
                                        "with the backward pass")

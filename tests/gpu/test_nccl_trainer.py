@@ -42,7 +42,10 @@ LAYOUTS = {
 
 
 def nccl_gpt(data, *extra):
-    args = small_gpt(data, "--train-iters", str(ITERATIONS), *extra)
+    # Every length as it comes (not bucketed, as by default on GPUs): the pipeline must carry
+    # each one.
+    args = small_gpt(data, "--train-iters", str(ITERATIONS), "--variable-seq-length-multiple",
+                     "1", *extra)
     args[args.index("--distributed-backend") + 1] = BACKEND
     return args
 

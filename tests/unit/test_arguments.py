@@ -36,10 +36,12 @@ def test_typed_configs_round_trip(world):
     args = validate_args(parsed("--pipeline-model-parallel-size", "2", "--sequence-parallel",
                                 "--tensor-model-parallel-size", "2"))
     parallel = config_from_args(args, ParallelismArgs)
-    # validate_args turns fused gradient accumulation off on CPU (gloo): it is a CUDA GEMM's.
+    # validate_args turns fused gradient accumulation off on CPU (gloo): it is a CUDA GEMM's;
+    # variable lengths are not bucketed there.
     assert parallel == ParallelismArgs(tensor_model_parallel_size=2,
                                        pipeline_model_parallel_size=2, sequence_parallel=True,
-                                       gradient_accumulation_fusion=False)
+                                       gradient_accumulation_fusion=False,
+                                       variable_seq_length_multiple=1)
     assert config_from_args(args, DistributedArgs).distributed_backend == "gloo"
 
 
@@ -137,6 +139,7 @@ def test_upstream_flag_spellings_and_negations(world):
     (["--fp16", "--bf16"], "--fp16 and --bf16 are alternatives"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "alternatives"),
     (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--variable-seq-length-multiple", "0"], "--variable-seq-length-multiple must be at least 1"),
 ])
 def test_more_inconsistent_flags(world, argv, message):
     world(1)
@@ -182,3 +185,13 @@ def test_fusion_flags_select_the_fusions_as_upstream(world):
     assert not config().cross_entropy_loss_fusion  # off by default, as upstream
     assert config("--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
                   "native").cross_entropy_loss_fusion
+
+
+def test_variable_lengths_are_bucketed_on_gpus_only(world, monkeypatch):
+    world(1)
+    assert validate_args(parsed()).variable_seq_length_multiple == 1
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    on_gpus = ["--transformer-impl", "local"]
+    assert validate_args(parse_args(argv=on_gpus)).variable_seq_length_multiple == 8
+    chosen = parse_args(argv=[*on_gpus, "--variable-seq-length-multiple", "64"])
+    assert validate_args(chosen).variable_seq_length_multiple == 64
