@@ -29,7 +29,8 @@ from megatron.core.pipeline_parallel.p2p_communicator import set_debug_tags
 from megatron.core.pipeline_parallel.verify import Layout, VerificationError, verify
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
-from megatron.training import checkpointing, metrics_writers
+from megatron.training import metrics_writers
+from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.arguments import ArgumentError, validate_training_args
 from megatron.training.config_builders import ddp_config_from_args, optimizer_config_from_args
 from megatron.training.data_loading import build_data_loader, cyclic_iter
@@ -42,6 +43,14 @@ from megatron.training.timers import Timers
 from megatron.training.utils import print_rank_0, print_rank_last
 
 
+def _checkpointing():
+    """The checkpoint driver, imported on first use: torch.distributed.checkpoint is most of
+    its import time, which a run that neither loads nor saves need not pay on every rank."""
+    from megatron.training import checkpointing
+
+    return checkpointing
+
+
 def _failures_end_the_run(run: Callable) -> Callable:
     """A checkpoint that cannot be loaded (bad files) or written (a full disk) ends the run with
     its one-line reason and exit code 2, as bad input does, instead of a deep traceback. Any
@@ -50,7 +59,7 @@ def _failures_end_the_run(run: Callable) -> Callable:
     def guarded(*args, **kwargs):
         try:
             return run(*args, **kwargs)
-        except checkpointing.CheckpointError as error:
+        except CheckpointError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         except Exception as error:
@@ -93,7 +102,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
     iteration, consumed = 0, 0
     if args.load:
-        iteration, consumed = checkpointing.load_checkpoint(model, optimizer, scheduler)
+        iteration, consumed = _checkpointing().load_checkpoint(model, optimizer, scheduler)
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, consumed, len(model))
     print_rank_0(f"> starting training at iteration {iteration} ({consumed} samples consumed)")
@@ -101,7 +110,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                                 valid_iterator, process_non_loss_data_func, config, iteration,
                                 consumed, timers)
     if args.save and iteration and (args.save_interval is None or iteration % args.save_interval):
-        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, consumed)
+        _checkpointing().save_checkpoint(iteration, model, optimizer, scheduler, consumed)
     if test_iterator is not None and args.eval_iters > 0:
         evaluate_and_print_results("test", forward_step_func, test_iterator, model, iteration,
                                    process_non_loss_data_func, config)
@@ -336,13 +345,13 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                        iteration, process_non_loss_data_func, config, writer)
         saved = False
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+            _checkpointing().save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                                           consumed_samples)
             saved = True
         stop = watcher is not None and watcher.any_rank_received(device)
         if stop or (args.exit_interval and iteration % args.exit_interval == 0):
             if args.save and not saved:
-                checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                _checkpointing().save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                                               consumed_samples)
             reason = "SIGTERM" if stop else f"--exit-interval {args.exit_interval}"
             print_rank_0(f"exiting at iteration {iteration} ({reason})")
