@@ -164,6 +164,9 @@ class MixedPrecisionArgs:
     min_loss_scale: float = option(1.0, "lowest dynamic loss scale")
     loss_scale_window: float = option(1000, "clean steps before the loss scale grows")
     hysteresis: int = option(2, "overflows tolerated before the loss scale shrinks")
+    use_precision_aware_optimizer: bool = option(
+        False, "Adam over flat fp32 main parameters and moments laid out like the DDP buffers, "
+               "writing the bf16/fp16 weights in the same pass (fp32 state, as by default)")
 
 
 @dataclasses.dataclass

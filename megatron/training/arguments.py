@@ -131,6 +131,11 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
                             "--distributed-timeout-minutes must be positive")
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are alternatives; give one")
+    if args.use_precision_aware_optimizer and (
+            args.optimizer != "adam" or not (args.fp16 or args.bf16)):
+        raise ArgumentError("--use-precision-aware-optimizer needs --bf16 or --fp16 and "
+                            "--optimizer adam: it keeps fp32 main weights beside half-precision "
+                            "ones")
     args.params_dtype = (torch.float16 if args.fp16 else
                          torch.bfloat16 if args.bf16 else torch.float32)
     if args.bf16:

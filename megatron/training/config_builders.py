@@ -68,6 +68,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
         clip_grad=args.clip_grad)
 
 

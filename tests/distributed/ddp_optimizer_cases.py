@@ -372,23 +372,27 @@ def optimizer_cases(rank: Rank, weights, steps: int = 3) -> list[tuple[str, floa
 
 
 def half_precision_cases(rank: Rank, weights, steps: int = 3) -> list[tuple[str, float]]:
-    """bf16: the distributed optimizer equals the Float16 optimizer; fp16: a one-rank inf
-    skips the step everywhere."""
-    trained = []
-    for distributed in (False, True):
+    """bf16: the distributed optimizer and the flat Adam (each rank's shards, or the whole
+    buffers) equal the Float16 optimizer; fp16: a one-rank inf skips the step everywhere."""
+    trained = {}
+    for distributed, flat in ((False, False), (True, False), (False, True), (True, True)):
         model = wrap(rank, weights, torch.bfloat16, use_distributed_optimizer=distributed,
-                     grad_reduce_in_fp32=True)
+                     grad_reduce_in_fp32=True, bucket_size=100)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(lr=LR, weight_decay=WD, bf16=True, clip_grad=0.5,
-                            use_distributed_optimizer=distributed), [model])
+                            use_distributed_optimizer=distributed,
+                            use_precision_aware_optimizer=flat), [model])
         norms = [local_iteration(rank, model, optimizer, step, 2)[1] for step in range(steps)]
-        trained.append((model, norms))
-    (plain, plain_norms), (sharded, sharded_norms) = trained
-    results = [("bf16 distributed vs plain norms",
-                max(abs(a - b) / b for a, b in zip(plain_norms, sharded_norms))),
-               ("bf16 distributed vs plain params",
-                max((a.float() - b.float()).abs().max().item()
-                    for a, b in zip(plain.parameters(), sharded.parameters())))]
+        name = ("distributed" if distributed else "plain") + (" flat" if flat else "")
+        trained[name] = (model, norms)
+    plain, plain_norms = trained.pop("plain")
+    results = []
+    for name, (model, norms) in trained.items():
+        results.append((f"bf16 {name} vs plain norms",
+                        max(abs(a - b) / b for a, b in zip(plain_norms, norms))))
+        results.append((f"bf16 {name} vs plain params",
+                        max((a.float() - b.float()).abs().max().item()
+                            for a, b in zip(plain.parameters(), model.parameters()))))
 
     model = wrap(rank, weights, torch.float16, use_distributed_optimizer=True)
     optimizer = get_megatron_optimizer(

@@ -6,7 +6,8 @@ optimizer state (Adam moments, step counts, fp32 main parameters) follows the we
 one layout and saved again after loading at another, every tensor is bit-identical, and a run
 resumed at another layout continues with the losses a same-layout resume gives (fp32; the
 tolerance is for the other reduction order of another layout). A ``--ckpt-format torch_dist``
-save (upstream's format, optimizer state in its plain optimizers' layout) resumes so too.
+save (upstream's format, optimizer state in its plain optimizers' layout) resumes so too, and
+the flat Adam (``--use-precision-aware-optimizer``) trains and resumes as the default does.
 """
 
 import pytest
@@ -115,3 +116,14 @@ def test_resume_from_our_torch_dist_save_at_another_layout_restores_the_optimize
     assert sorted(same) == sorted(other) == [5, 6, 7, 8]
     for iteration, value in same.items():
         assert other[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE), iteration
+
+
+def test_flat_adam_trains_and_resumes_like_the_default_optimizer(data, tmp_path):
+    """--use-precision-aware-optimizer (the flat Adam) with the distributed optimizer: the same
+    bf16 losses bit for bit, also across a save and a resume."""
+    layout, flat = "dp2-distributed-optimizer", ["--bf16", "--use-precision-aware-optimizer"]
+    default = _train(data, layout, 6, "--bf16")
+    first = _train(data, layout, 6, *flat, "--save", str(tmp_path), "--exit-interval", "3")
+    resumed = _train(data, layout, 6, *flat, "--load", str(tmp_path))
+    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
+    assert {**first, **resumed} == default

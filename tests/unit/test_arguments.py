@@ -140,6 +140,7 @@ def test_upstream_flag_spellings_and_negations(world):
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "alternatives"),
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--variable-seq-length-multiple", "0"], "--variable-seq-length-multiple must be at least 1"),
+    (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --bf16 or --fp16"),
 ])
 def test_more_inconsistent_flags(world, argv, message):
     world(1)
@@ -195,3 +196,13 @@ def test_variable_lengths_are_bucketed_on_gpus_only(world, monkeypatch):
     assert validate_args(parse_args(argv=on_gpus)).variable_seq_length_multiple == 8
     chosen = parse_args(argv=[*on_gpus, "--variable-seq-length-multiple", "64"])
     assert validate_args(chosen).variable_seq_length_multiple == 64
+
+
+def test_precision_aware_optimizer_reaches_the_optimizer_config(world):
+    from megatron.training.config_builders import optimizer_config_from_args
+
+    world(1)
+    args = validate_args(parsed("--bf16", "--use-precision-aware-optimizer"))
+    assert optimizer_config_from_args(args).use_precision_aware_optimizer is True
+    assert optimizer_config_from_args(validate_args(parsed("--bf16"))) \
+        .use_precision_aware_optimizer is False

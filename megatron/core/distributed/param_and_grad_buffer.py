@@ -2,9 +2,9 @@
 
 Each :class:`ParamAndGradBuffer` owns one flat gradient tensor; every parameter's
 ``main_grad`` is a view into it, so the data-parallel reduction is one collective per
-bucket rather than one per parameter. With the distributed optimizer the buffer also owns
-one flat parameter tensor and every ``param.data`` is re-pointed into it, so the updated
-shards can be all-gathered straight into the model's weights.
+bucket rather than one per parameter. With the distributed optimizer (or the flat Adam) the
+buffer also owns one flat parameter tensor and every ``param.data`` is re-pointed into it, so
+the updated shards can be all-gathered, or written, straight into the model's weights.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def local_shard(data: torch.Tensor, group: CollectiveGroup) -> torch.Tensor:
 class ParamAndGradBucket:
     """A run of consecutive buffer elements that is reduced (and gathered) as one unit.
 
-    ``grad_data``/``param_data`` are views into the buffer (``param_data`` is None unless
-    the distributed optimizer is used); ``offset`` is where the bucket starts in its buffer.
+    ``grad_data``/``param_data`` are views into the buffer (``param_data`` is None until the
+    buffer owns the parameters' data); ``offset`` is where the bucket starts in its buffer.
     """
 
     def __init__(
@@ -95,26 +95,18 @@ class ParamAndGradBuffer:
         self.numel_unpadded = sum(span.numel_unpadded for span in layout.buckets)
         device = devices.pop()
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self.param_data = (
-            torch.zeros(self.numel, dtype=param_dtype, device=device) if sharded else None
-        )
+        self.param_data: torch.Tensor | None = None
 
         # param -> (start, end, bucket_id) in this buffer; the distributed optimizer reads it.
         self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = {}
-        with torch.no_grad():
-            for param, slot in zip(self.params, layout.slots):
-                self.param_index_map[param] = (slot.start, slot.end, slot.bucket_id)
-                if self.param_data is not None:
-                    storage = self.param_data[slot.start:slot.end].view(param.shape)
-                    storage.copy_(param.data)
-                    param.data = storage
-                param.main_grad = self.grad_data[slot.start:slot.end].view(param.shape)
+        for param, slot in zip(self.params, layout.slots):
+            self.param_index_map[param] = (slot.start, slot.end, slot.bucket_id)
+            param.main_grad = self.grad_data[slot.start:slot.end].view(param.shape)
 
         self.buckets = [
             ParamAndGradBucket(
                 params=[self.params[i] for i in span.param_indices],
-                param_data=(None if self.param_data is None
-                            else self.param_data[span.start:span.end]),
+                param_data=None,
                 grad_data=self.grad_data[span.start:span.end],
                 offset=span.start,
                 numel_unpadded=span.numel_unpadded,
@@ -125,6 +117,24 @@ class ParamAndGradBuffer:
         ]
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params_list}
         self.param_to_name = {p: param_to_name.get(p, "?") for p in self.params}
+        if sharded:
+            self.ensure_param_data()
+
+    @torch.no_grad()
+    def ensure_param_data(self) -> None:
+        """Move every parameter's data into one flat tensor of this buffer's layout (once):
+        the distributed optimizer all-gathers into it, and the flat Adam writes it whole."""
+        if self.param_data is not None:
+            return
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype,
+                                      device=self.grad_data.device)
+        for param, (start, end, _) in self.param_index_map.items():
+            storage = self.param_data[start:end].view(param.shape)
+            storage.copy_(param.data)
+            param.data = storage
+        for bucket in self.buckets:
+            bucket.param_data = self.param_data[bucket.offset:bucket.offset
+                                                + bucket.grad_data.numel()]
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.grad_data.mul_(scaling_factor)

@@ -118,7 +118,8 @@ def get_megatron_optimizer(
 
     if config.optimizer == "adam":
         inner = make_adam(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                          torch_only=config.use_precision_aware_optimizer)
         init_state_fn = init_adam_state
     else:
         inner = make_sgd(param_groups, lr=config.lr, weight_decay=config.weight_decay,
@@ -143,4 +144,12 @@ def get_megatron_optimizer(
         optimizer = FP32Optimizer(inner, config, init_state_fn)
         optimizer.grad_stats_parallel_group = model_parallel_group
     optimizer.tensor_parallel_group = tensor_parallel_group
+    if config.use_precision_aware_optimizer:
+        unwrapped = [index for index, chunk in enumerate(model_chunks)
+                     if getattr(chunk, "ddp_config", None) is None]
+        if unwrapped:
+            raise ValueError(f"OptimizerConfig.use_precision_aware_optimizer needs every model "
+                             f"chunk wrapped in DistributedDataParallel; chunk(s) {unwrapped} "
+                             f"are not")
+        optimizer.use_flat_adam([buffer for chunk in model_chunks for buffer in chunk.buffers])
     return optimizer

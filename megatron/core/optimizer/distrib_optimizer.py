@@ -21,6 +21,7 @@ import torch
 
 from megatron.core.distributed.collective_group import CollectiveGroup, world_group, wrap_group
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.optimizer.flat_adam import MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
     HALF_DTYPES,
@@ -158,6 +159,24 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                  for target in [_flat_slice(param, piece)] if target.data_ptr() != main.data_ptr()]
         if pairs:  # one multi-tensor launch instead of one copy per parameter
             torch._foreach_copy_([target for target, _ in pairs], [main for _, main in pairs])
+
+    def _main_locations(self, buffers: Sequence[ParamAndGradBuffer]) -> list[MainLocation]:
+        if any(param.dtype not in HALF_DTYPES for param, _, _ in self._entries()):
+            raise ValueError("the flat Adam (use_precision_aware_optimizer) needs every "
+                             "parameter in fp16/bf16; this model also has fp32 ones")
+        owner = {param: buffer for buffer in buffers for param in buffer.param_index_map}
+        return [MainLocation(main, owner[param], owner[param].param_index_map[param][0]
+                             + piece.start) for param, piece, main in self._entries()]
+
+    def _flat_regions(self, buffers: Sequence[ParamAndGradBuffer]
+                      ) -> list[tuple[ParamAndGradBuffer, int, int]]:
+        regions = []
+        for buffer in buffers:
+            for bucket in buffer.buckets:
+                shard = bucket.grad_data.numel() // buffer.data_parallel_group.size
+                start = bucket.offset + buffer.data_parallel_group.rank * shard
+                regions.append((buffer, start, start + shard))
+        return regions
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

@@ -32,9 +32,12 @@ def _all_on_gpu(param_groups: Sequence[dict]) -> bool:
 
 
 def make_adam(param_groups: list[dict], *, lr: float, weight_decay: float,
-              betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+              betas: tuple[float, float], eps: float,
+              torch_only: bool = False) -> torch.optim.Optimizer:
+    """apex's FusedAdam where available, else torch's AdamW; ``torch_only`` (the flat Adam,
+    which keeps its state in torch AdamW's format) always takes torch's."""
     on_gpu = _all_on_gpu(param_groups)
-    apex_optimizers = nvidia_apex_optimizers() if on_gpu else None
+    apex_optimizers = nvidia_apex_optimizers() if on_gpu and not torch_only else None
     if apex_optimizers is not None:
         return apex_optimizers.FusedAdam(param_groups, lr=lr, weight_decay=weight_decay,
                                          betas=betas, eps=eps, adam_w_mode=True)

@@ -16,18 +16,20 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.collective_group import CollectiveGroup, resolve_group
+from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer.flat_adam import FlatAdamW, MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.param_attributes import (
@@ -288,6 +290,22 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         device = params[0].device if params else torch.device("cpu")
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self._scale_one = torch.ones(1, dtype=torch.float32, device=device)
+        self.flat_adam: FlatAdamW | None = None
+
+    def use_flat_adam(self, buffers: Sequence[ParamAndGradBuffer]) -> None:
+        """Step with :class:`FlatAdamW` over ``buffers`` (the model chunks' DDP buffers) from
+        now on; before the first step."""
+        self.flat_adam = FlatAdamW(self.optimizer, self._main_locations(buffers),
+                                   self._flat_regions(buffers))
+
+    @abstractmethod
+    def _main_locations(self, buffers: Sequence[ParamAndGradBuffer]) -> list[MainLocation]:
+        """Where in ``buffers`` each main parameter's elements lie."""
+
+    @abstractmethod
+    def _flat_regions(self, buffers: Sequence[ParamAndGradBuffer]
+                      ) -> list[tuple[ParamAndGradBuffer, int, int]]:
+        """The contiguous buffer ranges whose state this rank keeps."""
 
     def get_loss_scale(self) -> torch.Tensor:
         return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
@@ -327,6 +345,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        if self.flat_adam is not None:  # also writes the model parameters
+            self.flat_adam.step(getattr(self.optimizer, "grad_scale", None))
+            return True
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         return True
@@ -394,6 +415,23 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         pairs = list(self._pairs())
         if pairs:  # one multi-tensor launch instead of one copy per parameter
             torch._foreach_copy_([half.data for half, _ in pairs], [main for _, main in pairs])
+
+    def _main_locations(self, buffers: Sequence[ParamAndGradBuffer]) -> list[MainLocation]:
+        if any(self.fp32_from_fp32_groups):
+            raise ValueError("the flat Adam (use_precision_aware_optimizer) needs every "
+                             "parameter in fp16/bf16; this model also has fp32 ones")
+        starts = {param: start for buffer in buffers
+                  for param, (start, _, _) in buffer.param_index_map.items()}
+        owner = {param: buffer for buffer in buffers for param in buffer.param_index_map}
+        missing = [tuple(half.shape) for half, _ in self._pairs() if half not in owner]
+        if missing:
+            raise ValueError(f"the flat Adam needs every parameter in a DDP buffer; parameters "
+                             f"of shapes {missing} are in none")
+        return [MainLocation(main, owner[half], starts[half]) for half, main in self._pairs()]
+
+    def _flat_regions(self, buffers: Sequence[ParamAndGradBuffer]
+                      ) -> list[tuple[ParamAndGradBuffer, int, int]]:
+        return [(buffer, 0, buffer.numel) for buffer in buffers]
 
     def reload_model_params(self) -> None:
         with torch.no_grad():

@@ -9,8 +9,6 @@ import torch
 
 # Fields that must keep their neutral value in this tree, and why.
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
-    "use_precision_aware_optimizer": (
-        False, "it needs Transformer Engine's FusedAdam, which this tree does not use"),
     "main_grads_dtype": (torch.float32, "main gradients are always fp32"),
     "main_params_dtype": (torch.float32, "main parameters are always fp32"),
     "exp_avg_dtype": (torch.float32, "Adam state is always fp32"),
@@ -49,7 +47,9 @@ class OptimizerConfig:
     params_dtype: torch.dtype = torch.float32
     """dtype the model parameters were created in."""
     use_precision_aware_optimizer: bool = False
-    """Not supported (must stay False)."""
+    """Adam (with fp16/bf16) keeps its fp32 main parameters and moments in flat tensors laid
+    out like the DDP buffers and writes the model's weights in the same pass (the state stays
+    fp32: the *_dtype fields below must keep their defaults)."""
     main_grads_dtype: torch.dtype = torch.float32
     """Must stay fp32."""
     main_params_dtype: torch.dtype = torch.float32
@@ -108,6 +108,11 @@ class OptimizerConfig:
                 f"OptimizerConfig.optimizer must be one of {SUPPORTED_OPTIMIZERS}, "
                 f"got {self.optimizer!r}"
             )
+        if self.use_precision_aware_optimizer and (
+                self.optimizer != "adam" or not (self.fp16 or self.bf16)):
+            raise ValueError(
+                "OptimizerConfig.use_precision_aware_optimizer needs optimizer='adam' and fp16 "
+                f"or bf16 (got optimizer={self.optimizer!r}, fp16={self.fp16}, bf16={self.bf16})")
         if self.fp16 and self.bf16:
             raise ValueError("OptimizerConfig.fp16 and OptimizerConfig.bf16 are exclusive; "
                              "set at most one")

@@ -1,0 +1,267 @@
+"""AdamW over flat fp32 state laid out like the DDP buffers, writing the model's weights too.
+
+With ``use_precision_aware_optimizer`` the fp32 main parameters and both Adam moments of every
+half-precision parameter live in flat tensors, one per *region*: a contiguous range of a DDP
+buffer (the whole buffer, or this rank's shard of one bucket under the distributed optimizer).
+A region's gradients and model weights are the same range of the buffer's ``grad_data`` and
+``param_data``, so one kernel per region reads the gradient, main weight and moments and
+writes the main weight, the moments and the half-precision model weight: a single pass
+instead of torch's fused AdamW followed by a main-to-model copy.
+
+The main parameters the Megatron optimizer already hands out keep their identity: their
+storage is moved into the region (``main.data = view``), and the torch optimizer's state holds
+views of the flat moments and of one flat step tensor, in torch AdamW's own format, so
+checkpoints and ``state_dict()`` see nothing new. A load that replaces state tensors is
+noticed at the next step and copied into the flat storage.
+
+The update is torch's AdamW (decoupled weight decay, bias-corrected moments); the gradient is
+divided by the optimizer's ``grad_scale`` when one is set, as in torch's fused kernel. On CUDA
+it is one Triton kernel per region; elsewhere the same arithmetic runs as torch operations
+per parameter.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# Elements one kernel instance updates; a chunk never crosses a parameter, so that each one
+# reads a single group's hyperparameters and a single step count.
+CHUNK = 4096
+# Per group, in this order, for the kernel: lr, weight decay, beta1, beta2, eps.
+HYPER_FIELDS = 5
+
+
+@dataclass(frozen=True)
+class MainLocation:
+    """One tensor the torch optimizer steps: its elements are [start, start + numel) of
+    ``buffer`` (a ParamAndGradBuffer)."""
+
+    main: torch.Tensor
+    buffer: object
+    start: int
+
+
+@dataclass
+class _Region:
+    grad: torch.Tensor
+    model: torch.Tensor
+    main: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    chunks: torch.Tensor | None = None  # int64 [n, 4]: offset, length, group, entry
+
+
+@dataclass
+class _Entry:
+    main: torch.Tensor
+    region: _Region
+    offset: int
+    group: int
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+
+def _triton_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def adamw_region(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, chunks_ptr,
+                     hyper_ptr, steps_ptr, scale_ptr, BLOCK: tl.constexpr):
+        row = chunks_ptr + tl.program_id(0) * 4
+        offset = tl.load(row)
+        length = tl.load(row + 1)
+        group = tl.load(row + 2)
+        entry = tl.load(row + 3)
+        hyper = hyper_ptr + group * 5
+        lr = tl.load(hyper)
+        weight_decay = tl.load(hyper + 1)
+        beta1 = tl.load(hyper + 2)
+        beta2 = tl.load(hyper + 3)
+        eps = tl.load(hyper + 4)
+        step = tl.load(steps_ptr + entry)
+        inv_scale = 1.0 / tl.load(scale_ptr)
+        step_size = lr / (1.0 - tl.exp(step * tl.log(beta1)))
+        correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
+
+        lanes = tl.arange(0, BLOCK)
+        mask = lanes < length
+        at = offset + lanes
+        grad = tl.load(grad_ptr + at, mask=mask, other=0.0) * inv_scale
+        main = tl.load(main_ptr + at, mask=mask, other=0.0)
+        exp_avg = tl.load(exp_avg_ptr + at, mask=mask, other=0.0)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + at, mask=mask, other=0.0)
+        main = main * (1.0 - lr * weight_decay)
+        exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
+        exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
+        main = main - step_size * exp_avg / (tl.sqrt(exp_avg_sq) / correction2_sqrt + eps)
+        tl.store(main_ptr + at, main, mask=mask)
+        tl.store(exp_avg_ptr + at, exp_avg, mask=mask)
+        tl.store(exp_avg_sq_ptr + at, exp_avg_sq, mask=mask)
+        tl.store(model_ptr + at, main.to(model_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
+
+    return adamw_region
+
+
+class FlatAdamW:
+    """Steps ``torch_optimizer`` (a torch.optim.AdamW whose parameters are the mains of
+    ``locations``) over flat regions ``[(buffer, lo, hi), ...]``; see the module docstring."""
+
+    def __init__(self, torch_optimizer: torch.optim.Optimizer,
+                 locations: Sequence[MainLocation], regions: Sequence[tuple[object, int, int]]):
+        if not isinstance(torch_optimizer, torch.optim.AdamW):
+            raise TypeError("the flat Adam steps a torch.optim.AdamW's parameters, got a "
+                            f"{type(torch_optimizer).__name__}")
+        for group in torch_optimizer.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError("the flat Adam supports neither amsgrad nor maximize")
+        if torch_optimizer.state:
+            raise ValueError("the flat Adam must be set up before the optimizer's first step")
+        self.optimizer = torch_optimizer
+        group_of = {id(p): index for index, group in enumerate(torch_optimizer.param_groups)
+                    for p in group["params"]}
+        by_buffer: dict[int, list[tuple[int, int, _Region]]] = {}
+        with torch.no_grad():
+            for buffer, lo, hi in regions:
+                if buffer.param_data is None:
+                    buffer.ensure_param_data()
+                device = buffer.grad_data.device
+                region = _Region(grad=buffer.grad_data[lo:hi], model=buffer.param_data[lo:hi],
+                                 main=torch.zeros(hi - lo, dtype=torch.float32, device=device),
+                                 exp_avg=torch.zeros(hi - lo, dtype=torch.float32, device=device),
+                                 exp_avg_sq=torch.zeros(hi - lo, dtype=torch.float32,
+                                                        device=device))
+                by_buffer.setdefault(id(buffer), []).append((lo, hi, region))
+            for spans in by_buffer.values():
+                spans.sort(key=lambda span: span[0])
+            self.regions = [region for spans in by_buffer.values() for _, _, region in spans]
+            device = self.regions[0].main.device if self.regions else torch.device("cpu")
+            self.steps = torch.zeros(len(locations), dtype=torch.float32, device=device)
+            self.entries: list[_Entry] = []
+            for index, location in enumerate(locations):
+                if id(location.main) not in group_of:
+                    raise ValueError("a main parameter given to the flat Adam is in none of "
+                                     "the optimizer's parameter groups")
+                spans = by_buffer.get(id(location.buffer), [])
+                at = bisect.bisect_right([lo for lo, _, _ in spans], location.start) - 1
+                numel = location.main.numel()
+                if at < 0 or location.start + numel > spans[at][1]:
+                    raise ValueError(f"a main parameter of {numel} elements at buffer element "
+                                     f"{location.start} lies in no flat region")
+                lo, _, region = spans[at]
+                offset = location.start - lo
+                flat = region.main[offset:offset + numel]
+                flat.copy_(location.main.detach().reshape(-1))
+                location.main.data = flat.view(location.main.shape)
+                self.entries.append(_Entry(
+                    main=location.main, region=region, offset=offset,
+                    group=group_of[id(location.main)],
+                    exp_avg=region.exp_avg[offset:offset + numel].view(location.main.shape),
+                    exp_avg_sq=region.exp_avg_sq[offset:offset + numel].view(
+                        location.main.shape),
+                    step=self.steps[index]))
+        self._bind_state()
+        self._kernel = _triton_kernel() if device.type == "cuda" else None
+        if self._kernel is not None:
+            self._build_chunks()
+
+    # ------------------------------------------------------------ state in torch's format
+
+    def _bind_state(self) -> None:
+        for entry in self.entries:
+            self.optimizer.state[entry.main] = {"step": entry.step, "exp_avg": entry.exp_avg,
+                                                "exp_avg_sq": entry.exp_avg_sq}
+
+    @torch.no_grad()
+    def _adopt_replaced_state(self) -> None:
+        """Copy state that a load put into new tensors back into the flat storage."""
+        state = self.optimizer.state
+        for entry in self.entries:
+            current = state.get(entry.main)
+            if (current is not None and current.get("exp_avg") is entry.exp_avg
+                    and current.get("exp_avg_sq") is entry.exp_avg_sq
+                    and current.get("step") is entry.step):
+                continue
+            if current:
+                entry.exp_avg.copy_(current["exp_avg"])
+                entry.exp_avg_sq.copy_(current["exp_avg_sq"])
+                entry.step.copy_(torch.as_tensor(current["step"], dtype=torch.float32))
+            else:
+                entry.exp_avg.zero_()
+                entry.exp_avg_sq.zero_()
+                entry.step.zero_()
+            state[entry.main] = {"step": entry.step, "exp_avg": entry.exp_avg,
+                                 "exp_avg_sq": entry.exp_avg_sq}
+
+    # ------------------------------------------------------------ the step
+
+    def _build_chunks(self) -> None:
+        per_region: dict[int, list[tuple[int, int, int, int]]] = {}
+        for index, entry in enumerate(self.entries):
+            rows = per_region.setdefault(id(entry.region), [])
+            numel = entry.main.numel()
+            for first in range(0, numel, CHUNK):
+                rows.append((entry.offset + first, min(CHUNK, numel - first), entry.group,
+                             index))
+        for region in self.regions:
+            rows = per_region.get(id(region), [])
+            region.chunks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(
+                region.main.device) if rows else None
+
+    def _hyperparameters(self) -> list[tuple[float, ...]]:
+        rows = []
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            rows.append(tuple(float(value) for value in (
+                group["lr"], group["weight_decay"], beta1, beta2, group["eps"])))
+        return rows
+
+    @torch.no_grad()
+    def step(self, grad_scale: torch.Tensor | None = None) -> None:
+        """One AdamW step of every main parameter, written to the model weights as well."""
+        if not self.entries:
+            return
+        self._adopt_replaced_state()
+        self.steps.add_(1)
+        hyper = self._hyperparameters()
+        if self._kernel is None:
+            self._step_with_torch(hyper, grad_scale)
+            return
+        device = self.steps.device
+        hyper_tensor = torch.tensor(hyper, dtype=torch.float32).pin_memory().to(
+            device, non_blocking=True)
+        scale = (grad_scale.reshape(1).float() if grad_scale is not None
+                 else torch.ones(1, dtype=torch.float32, device=device))
+        for region in self.regions:
+            if region.chunks is None:
+                continue
+            self._kernel[(region.chunks.shape[0],)](
+                region.main, region.grad, region.exp_avg, region.exp_avg_sq, region.model,
+                region.chunks, hyper_tensor, self.steps, scale, BLOCK=CHUNK, num_warps=8)
+
+    def _step_with_torch(self, hyper: list[tuple[float, ...]],
+                         grad_scale: torch.Tensor | None) -> None:
+        steps = self.steps.tolist()
+        for entry, step in zip(self.entries, steps):
+            lr, weight_decay, beta1, beta2, eps = hyper[entry.group]
+            numel = entry.main.numel()
+            grad = entry.region.grad[entry.offset:entry.offset + numel].view(entry.main.shape)
+            if grad_scale is not None:
+                grad = grad / grad_scale
+            entry.main.mul_(1.0 - lr * weight_decay)
+            entry.exp_avg.lerp_(grad, 1.0 - beta1)
+            entry.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            correction2_sqrt = (1.0 - beta2 ** step) ** 0.5
+            denom = (entry.exp_avg_sq.sqrt() / correction2_sqrt).add_(eps)
+            entry.main.addcdiv_(entry.exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
+            model = entry.region.model[entry.offset:entry.offset + numel]
+            model.copy_(entry.main.reshape(-1))

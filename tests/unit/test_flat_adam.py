@@ -1,0 +1,91 @@
+"""The flat Adam (``use_precision_aware_optimizer``) against the default mixed-precision step.
+
+Both run torch AdamW's arithmetic on fp32 main parameters; the flat one keeps them and the
+moments in buffer-shaped flat tensors and writes the half-precision weights itself. On CPU it
+runs as torch operations, so the two must agree bit for bit; the Triton kernel is held to the
+same reference on a GPU (tests/gpu/test_fast_paths.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.unit.test_optimizer_single import LR, WD, Dense, batches, ddp, max_diff, train_step
+
+
+def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0):
+    model = ddp(Dense(dtype, seed=seed), use_distributed_optimizer=distributed,
+                grad_reduce_in_fp32=True, bucket_size=100)
+    flag = "bf16" if dtype == torch.bfloat16 else "fp16"
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=clip_grad, initial_loss_scale=2.0**8,
+                        use_distributed_optimizer=distributed,
+                        use_precision_aware_optimizer=flat, **{flag: True}), [model])
+    return model, optimizer
+
+
+def moments(optimizer) -> list[torch.Tensor]:
+    return [state[key] for state in optimizer.optimizer.state.values()
+            for key in ("exp_avg", "exp_avg_sq", "step")]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flat_adam_steps_exactly_like_the_default(dtype, distributed):
+    runs = []
+    for flat in (False, True):
+        model, optimizer = build(flat, dtype, distributed)
+        assert (optimizer.flat_adam is not None) == flat
+        norms = [train_step(model, optimizer, batches(2, dtype, seed=s))[1] for s in range(4)]
+        runs.append((model, optimizer, norms))
+    (model, optimizer, norms), (flat_model, flat_optimizer, flat_norms) = runs
+    assert norms == flat_norms
+    assert max_diff(model, flat_model) == 0.0
+    for main, flat_main in zip(optimizer.get_parameters(), flat_optimizer.get_parameters()):
+        assert torch.equal(main, flat_main)
+    for value, flat_value in zip(moments(optimizer), moments(flat_optimizer)):
+        assert torch.equal(value, flat_value)
+
+
+def test_main_parameters_and_moments_live_in_the_flat_regions():
+    model, optimizer = build(True)
+    train_step(model, optimizer, batches(1, torch.bfloat16))
+    region = optimizer.flat_adam.regions[0]
+    storages = {t.untyped_storage().data_ptr() for t in (region.main, region.exp_avg,
+                                                           region.exp_avg_sq)}
+    for main in optimizer.get_parameters():
+        state = optimizer.optimizer.state[main]
+        assert {main.untyped_storage().data_ptr(), state["exp_avg"].untyped_storage().data_ptr(),
+                state["exp_avg_sq"].untyped_storage().data_ptr()} <= storages
+    for param in model.module.parameters():  # the weights the kernel writes
+        assert param.untyped_storage().data_ptr() == region.model.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("source_flat", [True, False], ids=["from-flat", "from-default"])
+def test_state_dict_round_trip_continues_identically(source_flat):
+    model, optimizer = build(source_flat)
+    train_step(model, optimizer, batches(1, torch.bfloat16))
+    twin, twin_optimizer = build(True, seed=5)  # other weights: all must come from the load
+    twin.module.load_state_dict(model.module.state_dict())
+    twin_optimizer.reload_model_params()
+    twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        for seed in (7, 8):
+            train_step(m, o, batches(1, torch.bfloat16, seed=seed))
+    assert max_diff(model, twin) == 0.0
+    for value, loaded in zip(moments(optimizer), moments(twin_optimizer)):
+        assert torch.equal(value, loaded)
+
+
+def test_flat_adam_needs_half_precision_and_wrapped_chunks():
+    with pytest.raises(ValueError, match="use_precision_aware_optimizer needs optimizer='adam' "
+                                         "and fp16 or bf16"):
+        OptimizerConfig(lr=LR, use_precision_aware_optimizer=True)
+    with pytest.raises(ValueError, match="wrapped in DistributedDataParallel"):
+        get_megatron_optimizer(OptimizerConfig(lr=LR, bf16=True,
+                                               use_precision_aware_optimizer=True),
+                               [Dense(torch.bfloat16)])
