@@ -23,6 +23,7 @@ per parameter.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,8 +32,6 @@ import torch
 # Elements one kernel instance updates; a chunk never crosses a parameter, so that each one
 # reads a single group's hyperparameters and a single step count.
 CHUNK = 4096
-# Per group, in this order, for the kernel: lr, weight decay, beta1, beta2, eps.
-HYPER_FIELDS = 5
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,9 @@ class _Entry:
     step: torch.Tensor
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_kernel():
+    """The update as a Triton kernel (compiled at its first launch), or None without Triton."""
     try:
         import triton
         import triton.language as tl
@@ -81,7 +82,7 @@ def _triton_kernel():
         length = tl.load(row + 1)
         group = tl.load(row + 2)
         entry = tl.load(row + 3)
-        hyper = hyper_ptr + group * 5
+        hyper = hyper_ptr + group * 5  # per group: lr, weight decay, beta1, beta2, eps
         lr = tl.load(hyper)
         weight_decay = tl.load(hyper + 1)
         beta1 = tl.load(hyper + 2)
@@ -127,52 +128,60 @@ class FlatAdamW:
         if torch_optimizer.state:
             raise ValueError("the flat Adam must be set up before the optimizer's first step")
         self.optimizer = torch_optimizer
+        spans = self._make_regions(regions)
+        self.regions = [region for per_buffer in spans.values() for _, _, region in per_buffer]
+        device = self.regions[0].main.device if self.regions else torch.device("cpu")
+        self.steps = torch.zeros(len(locations), dtype=torch.float32, device=device)
         group_of = {id(p): index for index, group in enumerate(torch_optimizer.param_groups)
                     for p in group["params"]}
-        by_buffer: dict[int, list[tuple[int, int, _Region]]] = {}
-        with torch.no_grad():
-            for buffer, lo, hi in regions:
-                if buffer.param_data is None:
-                    buffer.ensure_param_data()
-                device = buffer.grad_data.device
-                region = _Region(grad=buffer.grad_data[lo:hi], model=buffer.param_data[lo:hi],
-                                 main=torch.zeros(hi - lo, dtype=torch.float32, device=device),
-                                 exp_avg=torch.zeros(hi - lo, dtype=torch.float32, device=device),
-                                 exp_avg_sq=torch.zeros(hi - lo, dtype=torch.float32,
-                                                        device=device))
-                by_buffer.setdefault(id(buffer), []).append((lo, hi, region))
-            for spans in by_buffer.values():
-                spans.sort(key=lambda span: span[0])
-            self.regions = [region for spans in by_buffer.values() for _, _, region in spans]
-            device = self.regions[0].main.device if self.regions else torch.device("cpu")
-            self.steps = torch.zeros(len(locations), dtype=torch.float32, device=device)
-            self.entries: list[_Entry] = []
-            for index, location in enumerate(locations):
-                if id(location.main) not in group_of:
-                    raise ValueError("a main parameter given to the flat Adam is in none of "
-                                     "the optimizer's parameter groups")
-                spans = by_buffer.get(id(location.buffer), [])
-                at = bisect.bisect_right([lo for lo, _, _ in spans], location.start) - 1
-                numel = location.main.numel()
-                if at < 0 or location.start + numel > spans[at][1]:
-                    raise ValueError(f"a main parameter of {numel} elements at buffer element "
-                                     f"{location.start} lies in no flat region")
-                lo, _, region = spans[at]
-                offset = location.start - lo
-                flat = region.main[offset:offset + numel]
-                flat.copy_(location.main.detach().reshape(-1))
-                location.main.data = flat.view(location.main.shape)
-                self.entries.append(_Entry(
-                    main=location.main, region=region, offset=offset,
-                    group=group_of[id(location.main)],
-                    exp_avg=region.exp_avg[offset:offset + numel].view(location.main.shape),
-                    exp_avg_sq=region.exp_avg_sq[offset:offset + numel].view(
-                        location.main.shape),
-                    step=self.steps[index]))
+        self.entries = [self._move_into_region(index, location, spans, group_of)
+                        for index, location in enumerate(locations)]
         self._bind_state()
         self._kernel = _triton_kernel() if device.type == "cuda" else None
         if self._kernel is not None:
             self._build_chunks()
+
+    @staticmethod
+    @torch.no_grad()
+    def _make_regions(regions) -> dict[int, list[tuple[int, int, _Region]]]:
+        """Per buffer (by id), its regions as (lo, hi, region), sorted by lo."""
+        spans: dict[int, list[tuple[int, int, _Region]]] = {}
+        for buffer, lo, hi in regions:
+            buffer.ensure_param_data()
+            device = buffer.grad_data.device
+
+            def zeros():
+                return torch.zeros(hi - lo, dtype=torch.float32, device=device)
+
+            region = _Region(grad=buffer.grad_data[lo:hi], model=buffer.param_data[lo:hi],
+                             main=zeros(), exp_avg=zeros(), exp_avg_sq=zeros())
+            spans.setdefault(id(buffer), []).append((lo, hi, region))
+        for per_buffer in spans.values():
+            per_buffer.sort(key=lambda span: span[0])
+        return spans
+
+    @torch.no_grad()
+    def _move_into_region(self, index: int, location: MainLocation, spans,
+                          group_of: dict[int, int]) -> _Entry:
+        """Give ``location.main`` its region's storage (same tensor object, new data)."""
+        main, numel = location.main, location.main.numel()
+        if id(main) not in group_of:
+            raise ValueError("a main parameter given to the flat Adam is in none of the "
+                             "optimizer's parameter groups")
+        per_buffer = spans.get(id(location.buffer), [])
+        at = bisect.bisect_right([lo for lo, _, _ in per_buffer], location.start) - 1
+        if at < 0 or location.start + numel > per_buffer[at][1]:
+            raise ValueError(f"a main parameter of {numel} elements at buffer element "
+                             f"{location.start} lies in no flat region")
+        lo, _, region = per_buffer[at]
+        offset = location.start - lo
+        flat = region.main[offset:offset + numel]
+        flat.copy_(main.detach().reshape(-1))
+        main.data = flat.view(main.shape)
+        return _Entry(main=main, region=region, offset=offset, group=group_of[id(main)],
+                      exp_avg=region.exp_avg[offset:offset + numel].view(main.shape),
+                      exp_avg_sq=region.exp_avg_sq[offset:offset + numel].view(main.shape),
+                      step=self.steps[index])
 
     # ------------------------------------------------------------ state in torch's format
 
