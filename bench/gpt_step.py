@@ -17,6 +17,8 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
 * ``trainer`` and ``trainer-distopt``: ``pretrain_gpt.py``'s own step (``megatron.training``'s
   loop, DDP gradient buffers, the bf16 optimizer with fp32 main parameters, clipping, the log
   line with ``--log-throughput``), without and with ``--use-distributed-optimizer``;
+* ``trainer-flat``: the trainer with ``--use-precision-aware-optimizer`` (Adam over the flat
+  buffers, writing the bf16 weights in its kernel);
 * ``trainer-varlen``: the trainer with ``--variable-seq-lengths`` on samples whose lengths are
   uniform in 50-100% of the sequence length, collated as the data loader does (each
   microbatch padded to its longest sample); its tokens/s counts real tokens only.
@@ -41,9 +43,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
-# pretrain_gpt.py's own step: name -> (distributed optimizer on, variable-length microbatches).
-TRAINERS = {"trainer": (False, False), "trainer-distopt": (True, False),
-            "trainer-varlen": (False, True)}
+# pretrain_gpt.py's own step: name -> (variable-length microbatches, its own flags).
+TRAINERS = {"trainer": (False, []), "trainer-distopt": (False, ["--use-distributed-optimizer"]),
+            "trainer-flat": (False, ["--use-precision-aware-optimizer"]),
+            "trainer-varlen": (True, ["--variable-seq-lengths"])}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,11 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--impls", default="ours,trainer,trainer-distopt,trainer-varlen,mcore,"
-                        "torch,torch-amp",
+    parser.add_argument("--impls", default="ours,trainer,trainer-distopt,trainer-flat,"
+                        "trainer-varlen,mcore,torch,torch-amp",
                         help="comma-separated subset of ours, trainer, trainer-distopt, "
-                        "trainer-varlen, mcore, torch, torch-amp, and ours-unfused (no fusions) "
-                        "or ours-act (only the bias-activation fusion)")
+                        "trainer-flat, trainer-varlen, mcore, torch, torch-amp, and "
+                        "ours-unfused (no fusions) or ours-act (only the bias-activation "
+                        "fusion)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="also run ours and plain torch under torch.compile")
     parser.add_argument("--mcore-path", type=Path,
@@ -206,7 +210,7 @@ def write_profile(args, torch, run) -> None:
     (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
 
 
-def trainer_argv(args, distributed_optimizer: bool, variable: bool) -> list[str]:
+def trainer_argv(args, flags: list[str]) -> list[str]:
     """pretrain_gpt.py's flags for the bench's shape: bf16 with fp32 main parameters and
     gradients, gradient clipping, Adam, one micro-batch per step."""
     argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -222,8 +226,7 @@ def trainer_argv(args, distributed_optimizer: bool, variable: bool) -> list[str]
             "--transformer-impl", "local", "--mock-data", "--log-throughput",
             "--train-iters", str(2 * args.steps + args.warmup), "--log-interval", str(args.steps),
             "--eval-iters", "0", "--distributed-backend", "nccl"]
-    return (argv + (["--use-distributed-optimizer"] if distributed_optimizer else [])
-            + (["--variable-seq-lengths"] if variable else []) + args.trainer_args.split())
+    return argv + flags + args.trainer_args.split()
 
 
 def variable_length_batches(args, generator, multiple: int, count: int) -> list[dict]:
@@ -243,7 +246,7 @@ def variable_length_batches(args, generator, multiple: int, count: int) -> list[
                     multiple_of=multiple, max_length=args.seq_length) for _ in range(count)]
 
 
-def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dict:
+def run_trainer_worker(args, variable: bool, flags: list[str]) -> dict:
     """The step exactly as pretrain_gpt.py runs it on one GPU: DDP gradient buffers, the
     mixed-precision optimizer with clipping, loss averaging, timers and the log line."""
     import contextlib
@@ -260,7 +263,7 @@ def run_trainer_worker(args, distributed_optimizer: bool, variable: bool) -> dic
     from megatron.training.data_loading import pad_multiple
     from megatron.training.timers import Timers
 
-    initialize_megatron(argv=trainer_argv(args, distributed_optimizer, variable))
+    initialize_megatron(argv=trainer_argv(args, flags))
     timers = Timers(log_level=1)
     model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
     config = training.step_config(model, optimizer, timers)
@@ -503,7 +506,7 @@ def main(argv=None) -> int:
     if args.torch_compile:
         print(at_least_line("ours/plain-torch tokens/s (compiled)",
                             throughput("ours:compiled") / throughput("torch:compiled"), 1.0))
-    for trainer, (_, variable) in TRAINERS.items():
+    for trainer, (variable, _) in TRAINERS.items():
         if variable:
             continue
         if f"{trainer}:eager" in results and "error" not in results[f"{trainer}:eager"]:
