@@ -1,10 +1,28 @@
-"""Suite-wide collection rules."""
+"""Suite-wide collection rules, and the triton install that several tests share."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+
+# Pinned, so that what uses it is repeatable.
+TRITON = "triton==3.9.0"
+
+
+@pytest.fixture(scope="session")
+def triton_dir(tmp_path_factory):
+    """A folder holding triton from the package registry, for ``PYTHONPATH`` (tests marked
+    ``upstream``): megatron-core 0.19.2 imports it, and the flat Adam's kernel runs under its
+    CPU interpreter. About 1 GB installed; removed when the session ends."""
+    from tests.upstream.upstream_harness import download_and_install
+
+    wheels = tmp_path_factory.mktemp("triton-wheel")
+    folder = download_and_install(TRITON, wheels, tmp_path_factory.mktemp("triton"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(wheels, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -136,7 +136,7 @@ def test_flat_adam_kernel_on_cuda(distributed):
     (model, optimizer), (reference, reference_optimizer) = run(True), run(False)
     # The kernel takes the bias corrections as exp(step * log(beta)): fp32 rounding only.
     for main, expected in zip(optimizer.get_parameters(), reference_optimizer.get_parameters()):
-        torch.testing.assert_close(main, expected, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(main, expected, rtol=1e-5, atol=1e-6)
         state, expected_state = optimizer.state[main], reference_optimizer.state[expected]
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-9)

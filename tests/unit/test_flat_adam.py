@@ -3,12 +3,17 @@
 Both run torch AdamW's arithmetic on fp32 main parameters; the flat one keeps them and the
 moments in buffer-shaped flat tensors and writes the half-precision weights itself. On CPU it
 runs as torch operations, so the two must agree bit for bit; the Triton kernel is held to the
-same reference on a GPU (tests/gpu/test_fast_paths.py).
+same reference under Triton's CPU interpreter here (``flat_adam_interpreted.py``) and on a
+GPU (tests/gpu/test_fast_paths.py).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +23,9 @@ from tests.unit.test_optimizer_single import LR, WD, Dense, batches, ddp, max_di
 
 
 def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0):
+    # Overlapped reduction, so that the buffer has buckets (the distributed optimizer's regions).
     model = ddp(Dense(dtype, seed=seed), use_distributed_optimizer=distributed,
-                grad_reduce_in_fp32=True, bucket_size=100)
+                grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=100)
     flag = "bf16" if dtype == torch.bfloat16 else "fp16"
     optimizer = get_megatron_optimizer(
         OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=clip_grad, initial_loss_scale=2.0**8,
@@ -89,3 +95,14 @@ def test_flat_adam_needs_half_precision_and_wrapped_chunks():
         get_megatron_optimizer(OptimizerConfig(lr=LR, bf16=True,
                                                use_precision_aware_optimizer=True),
                                [Dense(torch.bfloat16)])
+
+
+@pytest.mark.upstream
+def test_the_triton_kernel_under_the_interpreter_matches_the_torch_arithmetic(triton_dir):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(triton_dir), str(repo)])}
+    done = subprocess.run([sys.executable, "-m", "tests.unit.flat_adam_interpreted"], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -36,8 +36,6 @@ DEADLINE_S = 120.0
 RTOL, ATOL = 1e-5, 1e-6
 # Wrong results differ by O(1) on this model; anything below this would not prove corruption.
 CORRUPTION_THRESHOLD = 1e-2
-# Pinned so that the proof is repeatable; 0.19.2 only needs triton to be importable.
-TRITON = "triton==3.9.0"
 
 
 @dataclass(frozen=True)
@@ -69,13 +67,6 @@ def wheels(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)  # ~300 MB; pytest would keep it for 3 runs
 
 
-@pytest.fixture(scope="module")
-def triton_dir(tmp_path_factory, wheels):
-    folder = download_and_install(TRITON, wheels, tmp_path_factory.mktemp("triton"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)  # ~1 GB installed
-
-
 @pytest.fixture(scope="module", params=RELEASES,
                 ids=lambda release: f"megatron-core-{release.version}")
 def installed(request, tmp_path_factory, wheels) -> Installed:
@@ -91,6 +82,7 @@ def installed(request, tmp_path_factory, wheels) -> Installed:
     assert patch_files, f"no patches in {PATCHES / release.patch_base}"
     for patch_file in patch_files:
         apply_patch(patch_file, patched)
+    # 0.19.2 only needs triton to be importable (tests/conftest.py's triton_dir).
     extra = [request.getfixturevalue("triton_dir")] if release.needs_triton else []
     return Installed(release, [unpatched, *extra], [patched, *extra])
 

@@ -246,8 +246,9 @@ class FlatAdamW:
             self._step_with_torch(hyper, grad_scale)
             return
         device = self.steps.device
-        hyper_tensor = torch.tensor(hyper, dtype=torch.float32).pin_memory().to(
-            device, non_blocking=True)
+        hyper_tensor = torch.tensor(hyper, dtype=torch.float32)
+        if device.type == "cuda":  # pinned: the copy does not hold the host up
+            hyper_tensor = hyper_tensor.pin_memory().to(device, non_blocking=True)
         scale = (grad_scale.reshape(1).float() if grad_scale is not None
                  else torch.ones(1, dtype=torch.float32, device=device))
         for region in self.regions:
