@@ -43,10 +43,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
-# pretrain_gpt.py's own step: name -> (variable-length microbatches, its own flags).
-TRAINERS = {"trainer": (False, []), "trainer-distopt": (False, ["--use-distributed-optimizer"]),
-            "trainer-flat": (False, ["--use-precision-aware-optimizer"]),
-            "trainer-varlen": (True, ["--variable-seq-lengths"])}
+# pretrain_gpt.py's own step: name -> its own flags.
+TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
+            "trainer-flat": ["--use-precision-aware-optimizer"],
+            "trainer-varlen": ["--variable-seq-lengths"]}
+
+
+def is_variable(flags: list[str]) -> bool:
+    return "--variable-seq-lengths" in flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -246,7 +250,7 @@ def variable_length_batches(args, generator, multiple: int, count: int) -> list[
                     multiple_of=multiple, max_length=args.seq_length) for _ in range(count)]
 
 
-def run_trainer_worker(args, variable: bool, flags: list[str]) -> dict:
+def run_trainer_worker(args, flags: list[str]) -> dict:
     """The step exactly as pretrain_gpt.py runs it on one GPU: DDP gradient buffers, the
     mixed-precision optimizer with clipping, loss averaging, timers and the log line."""
     import contextlib
@@ -264,6 +268,7 @@ def run_trainer_worker(args, variable: bool, flags: list[str]) -> dict:
     from megatron.training.timers import Timers
 
     initialize_megatron(argv=trainer_argv(args, flags))
+    variable = is_variable(flags)
     timers = Timers(log_level=1)
     model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
     config = training.step_config(model, optimizer, timers)
@@ -354,7 +359,7 @@ def run_implementation(args) -> dict:
 
     impl, compiled = args.worker.split(":")
     if impl in TRAINERS:
-        return {"impl": impl, "compiled": False, **run_trainer_worker(args, *TRAINERS[impl])}
+        return {"impl": impl, "compiled": False, **run_trainer_worker(args, TRAINERS[impl])}
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     builders = {"ours": build_ours, "mcore": build_mcore, "torch": build_torch,
@@ -506,8 +511,8 @@ def main(argv=None) -> int:
     if args.torch_compile:
         print(at_least_line("ours/plain-torch tokens/s (compiled)",
                             throughput("ours:compiled") / throughput("torch:compiled"), 1.0))
-    for trainer, (variable, _) in TRAINERS.items():
-        if variable:
+    for trainer, flags in TRAINERS.items():
+        if is_variable(flags):
             continue
         if f"{trainer}:eager" in results and "error" not in results[f"{trainer}:eager"]:
             result = results[f"{trainer}:eager"]

@@ -50,11 +50,12 @@ def _check_chunks_match_config(config: OptimizerConfig, model_chunks) -> None:
     for index, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is None:
-            if config.use_distributed_optimizer:
-                raise ValueError(
-                    f"OptimizerConfig.use_distributed_optimizer=True needs every model chunk "
-                    f"wrapped in DistributedDataParallel; chunk {index} is a "
-                    f"{type(chunk).__name__}")
+            # Both keep their state in the layout of DDP's buffers.
+            for field in ("use_distributed_optimizer", "use_precision_aware_optimizer"):
+                if getattr(config, field):
+                    raise ValueError(
+                        f"OptimizerConfig.{field}=True needs every model chunk wrapped in "
+                        f"DistributedDataParallel; chunk {index} is a {type(chunk).__name__}")
         elif ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
             raise ValueError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} "
@@ -145,11 +146,5 @@ def get_megatron_optimizer(
         optimizer.grad_stats_parallel_group = model_parallel_group
     optimizer.tensor_parallel_group = tensor_parallel_group
     if config.use_precision_aware_optimizer:
-        unwrapped = [index for index, chunk in enumerate(model_chunks)
-                     if getattr(chunk, "ddp_config", None) is None]
-        if unwrapped:
-            raise ValueError(f"OptimizerConfig.use_precision_aware_optimizer needs every model "
-                             f"chunk wrapped in DistributedDataParallel; chunk(s) {unwrapped} "
-                             f"are not")
         optimizer.use_flat_adam([buffer for chunk in model_chunks for buffer in chunk.buffers])
     return optimizer

@@ -420,14 +420,13 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         if any(self.fp32_from_fp32_groups):
             raise ValueError("the flat Adam (use_precision_aware_optimizer) needs every "
                              "parameter in fp16/bf16; this model also has fp32 ones")
-        starts = {param: start for buffer in buffers
-                  for param, (start, _, _) in buffer.param_index_map.items()}
-        owner = {param: buffer for buffer in buffers for param in buffer.param_index_map}
-        missing = [tuple(half.shape) for half, _ in self._pairs() if half not in owner]
+        place = {param: (buffer, start) for buffer in buffers
+                 for param, (start, _, _) in buffer.param_index_map.items()}
+        missing = [tuple(half.shape) for half, _ in self._pairs() if half not in place]
         if missing:
             raise ValueError(f"the flat Adam needs every parameter in a DDP buffer; parameters "
                              f"of shapes {missing} are in none")
-        return [MainLocation(main, owner[half], starts[half]) for half, main in self._pairs()]
+        return [MainLocation(main, *place[half]) for half, main in self._pairs()]
 
     def _flat_regions(self, buffers: Sequence[ParamAndGradBuffer]
                       ) -> list[tuple[ParamAndGradBuffer, int, int]]:
