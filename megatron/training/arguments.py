@@ -207,6 +207,27 @@ def validate_training_args(args: argparse.Namespace) -> None:
                             "--vocab-size)")
     if args.wandb_project and not args.wandb_exp_name:
         raise ArgumentError("--wandb-project needs --wandb-exp-name")
+    _check_learning_rate_schedule(args)
+
+
+def _check_learning_rate_schedule(args: argparse.Namespace) -> None:
+    """The schedule the optimizer's scheduler will be built from, checked in flag names."""
+    if args.lr < 0 or not 0 <= args.min_lr <= args.lr:
+        raise ArgumentError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr})")
+    if args.train_iters < 1:
+        raise ArgumentError(f"--train-iters must be >= 1, got {args.train_iters}")
+    if args.lr_decay_iters is not None and args.lr_decay_iters < 1:
+        raise ArgumentError(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        if not 0 <= args.lr_warmup_fraction < 1:
+            raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got "
+                                f"{args.lr_warmup_fraction}")
+        return
+    decay, source = ((args.lr_decay_iters, "--lr-decay-iters") if args.lr_decay_iters
+                     else (args.train_iters, "--train-iters, as --lr-decay-iters is unset"))
+    if not 0 <= args.lr_warmup_iters < decay:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the "
+                            f"decay iterations, {decay} ({source})")
 
 
 def agreement_items(args: argparse.Namespace) -> list[tuple[str, Any]]:

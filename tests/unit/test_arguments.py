@@ -206,3 +206,23 @@ def test_precision_aware_optimizer_reaches_the_optimizer_config(world):
     assert optimizer_config_from_args(args).use_precision_aware_optimizer is True
     assert optimizer_config_from_args(validate_args(parsed("--bf16"))) \
         .use_precision_aware_optimizer is False
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--lr-warmup-iters", "3"), r"--lr-warmup-iters 3 must be smaller than the decay "
+                                 r"iterations, 3 \(--train-iters, as --lr-decay-iters is unset\)"),
+    (("--lr-warmup-iters", "5", "--lr-decay-iters", "4"), r"decay iterations, 4 \(--lr-decay-iters\)"),
+    (("--lr-warmup-fraction", "1.0"), r"--lr-warmup-fraction must be in \[0, 1\), got 1.0"),
+    (("--lr-decay-iters", "0"), "--lr-decay-iters must be >= 1, got 0"),
+    (("--min-lr", "2e-3"), r"need 0 <= --min-lr \(0.002\) <= --lr \(0.001\)"),
+])
+def test_learning_rate_schedule_is_checked_in_flag_names(world, flags, message):
+    from megatron.training.arguments import validate_training_args
+
+    world(1)
+    args = validate_args(parsed("--num-layers", "2", "--hidden-size", "8",
+                                "--num-attention-heads", "2", "--seq-length", "16",
+                                "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+                                "--mock-data", "--vocab-size", "64", *flags))
+    with pytest.raises(ArgumentError, match=message):
+        validate_training_args(args)
