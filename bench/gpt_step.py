@@ -23,7 +23,8 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
   uniform in 50-100% of the sequence length, collated as the data loader does (each
   microbatch padded to its longest sample); its tokens/s counts real tokens only.
 
-``--torch-compile`` adds compiled variants of ours and plain torch. Each implementation runs
+``--torch-compile`` adds compiled variants of ours and plain torch, ``--cuda-graph`` variants
+whose forward and backward replay CUDA graphs (the most graphs can save in host work). Each implementation runs
 in its own process; the step time is the median of ``--steps`` steps after ``--warmup``.
 Tokens/s and MFU use megatron.training.flops (Megatron's formula) against ``--peak-tflops``.
 """
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "fusion)")
     parser.add_argument("--torch-compile", action="store_true",
                         help="also run ours and plain torch under torch.compile")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also run ours and plain torch with forward and backward replayed "
+                        "from CUDA graphs (torch.cuda.make_graphed_callables)")
     parser.add_argument("--mcore-path", type=Path,
                         help="directory with megatron-core installed (pip install --target)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
@@ -188,6 +192,22 @@ def build_torch(args, torch, amp=False):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return model(tokens, positions, labels)
     return model, step_loss
+
+
+def loss_module(model, step_loss):
+    """``step_loss`` as a module owning ``model``'s parameters, as make_graphed_callables takes
+    it."""
+    import torch
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens, positions, labels):
+            return step_loss(tokens, positions, labels)
+
+    return Loss()
 
 
 def write_profile(args, torch, run) -> None:
@@ -375,7 +395,12 @@ def run_implementation(args) -> dict:
     shape = (args.micro_batch_size, args.seq_length)
     tokens = torch.randint(0, args.vocab_size, shape, device="cuda", generator=generator)
     labels = torch.randint(0, args.vocab_size, shape, device="cuda", generator=generator)
-    positions = torch.arange(args.seq_length, device="cuda").expand(shape)
+    positions = torch.arange(args.seq_length, device="cuda").expand(shape).contiguous()
+    if compiled == "graphed":
+        # The upper bound of CUDA graphs at this shape: the whole forward and backward are
+        # replayed, no host work per kernel (the optimizer step stays eager: a few launches).
+        step_loss = torch.cuda.make_graphed_callables(
+            loss_module(model, step_loss), (tokens, positions, labels))
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -473,9 +498,10 @@ def main(argv=None) -> int:
     flops = step_flops(args)
     tokens = args.micro_batch_size * args.seq_length
     workers = [f"{impl}:eager" for impl in args.impls.split(",")]
-    if args.torch_compile:
-        workers += [f"{impl}:compiled" for impl in args.impls.split(",")
-                    if impl in ("ours", "torch")]
+    for flag, variant in ((args.torch_compile, "compiled"), (args.cuda_graph, "graphed")):
+        if flag:
+            workers += [f"{impl}:{variant}" for impl in args.impls.split(",")
+                        if impl in ("ours", "torch")]
     results = {}
     print(f"GPT step, one GPU: {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads, seq {args.seq_length}, micro-batch "
@@ -502,8 +528,9 @@ def main(argv=None) -> int:
     def throughput(worker):
         return results.get(worker, {}).get("tokens_per_s", math.nan)
 
-    best_ours = max(throughput("ours:eager"), throughput("ours:compiled") if
-                    args.torch_compile else -1.0)
+    best_ours = max(throughput("ours:eager"),
+                    throughput("ours:compiled") if args.torch_compile else -1.0,
+                    throughput("ours:graphed") if args.cuda_graph else -1.0)
     print(at_least_line("ours/megatron-core-local tokens/s",
                         throughput("ours:eager") / throughput("mcore:eager"), 2.0))
     print(at_least_line("ours/plain-torch tokens/s (eager)",
@@ -511,6 +538,11 @@ def main(argv=None) -> int:
     if args.torch_compile:
         print(at_least_line("ours/plain-torch tokens/s (compiled)",
                             throughput("ours:compiled") / throughput("torch:compiled"), 1.0))
+    if args.cuda_graph:
+        for impl in ("ours", "torch"):
+            gain = throughput(f"{impl}:graphed") / throughput(f"{impl}:eager")
+            print(f"{impl} with CUDA graphs/eager tokens/s = {gain:.3f} (what replaying the "
+                  f"whole forward and backward saves in host work)")
     for trainer, flags in TRAINERS.items():
         if is_variable(flags):
             continue
