@@ -23,7 +23,17 @@ RANK = textwrap.dedent("""
                     microbatch=0, src_stage=0, dst_stage=1, shape=[4], dtype="torch.float32",
                     done=lambda: False)
     flight_recorder.start_watchdog(600.0, sys.argv[1])
-    print("ready", flush=True)
+    if sys.argv[2] == "dumping":  # SIGTERM while the main thread writes the record of an error
+        import json, time
+        write = json.dump
+        def slow_write(*args, **kwargs):
+            print("ready", flush=True)
+            time.sleep(1.0)
+            write(*args, **kwargs)
+        json.dump = slow_write
+        recorder.dump_for_error(RuntimeError("a peer ended"))
+    else:
+        print("ready", flush=True)
     threading.Event().wait()  # blocked, as in a transport wait
 """)
 
@@ -54,3 +64,13 @@ def test_a_handler_of_the_programs_own_keeps_sigterm(tmp_path):
     returncode, _ = _start(tmp_path, "own-handler")
     assert returncode == 7
     assert not (tmp_path / "rank0.json").exists()
+
+
+def test_sigterm_while_the_record_of_an_error_is_written_leaves_that_record_whole(tmp_path):
+    # torchrun's SIGTERM reaches a survivor as its failed wait writes the record: the watchdog
+    # lets that record be finished and written once, then exits; no half-written file stays.
+    returncode, output = _start(tmp_path, "dumping")
+    assert returncode == 128 + signal.SIGTERM, output
+    assert os.listdir(tmp_path) == ["rank0.json"]
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert "a peer ended" in record["reason"]

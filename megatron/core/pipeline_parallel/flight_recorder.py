@@ -20,6 +20,7 @@ wait.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import json
@@ -78,6 +79,9 @@ class FlightRecorder:
         # handles (and with them the tensors) of operations that finished on the device.
         self._open: collections.deque[P2PRecord] = collections.deque()
         self._lock = threading.Lock()
+        # Held while a record is written and while a thread ends the process, so that no
+        # record is left half-written (a failed wait and the watchdog may both dump).
+        self._dump_lock = threading.RLock()
         self._seq = 0
         self._calls = 0
         self._channel_counts: collections.Counter = collections.Counter()
@@ -152,12 +156,18 @@ class FlightRecorder:
             "time_s": self.now(),
             "records": [r.as_json() for r in self.records()],
         }
-        tmp = f"{path}.{threading.get_ident()}.tmp"  # the watchdog and a failed wait may race
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1)
-        os.replace(tmp, path)
-        self.last_dump = path
+        with self._dump_lock:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(payload, f, indent=1)
+            os.replace(tmp, path)
+            self.last_dump = path
         return path
+
+    def dumps_held(self) -> threading.RLock:
+        """Held, no other thread writes a record (one being written is finished first): the
+        thread that ends the process holds it, and so does the interpreter's exit."""
+        return self._dump_lock
 
     def dump_after_failure(self, reason: str) -> Optional[str]:
         """Write the record where the watchdog would, if one runs; return the path."""
@@ -201,23 +211,30 @@ def start_watchdog(timeout_s: float, dump_dir: str, *,
             if oldest is None or recorder.now() - oldest.posted_s < timeout_s:
                 continue
             waited = recorder.now() - oldest.posted_s
-            path = recorder.dump(dump_dir, reason=f"p2p operation incomplete for {waited:.0f}s")
-            completed = [r for r in recorder.records() if r.completed_s is not None]
-            last = f"; the last one completed was {completed[-1].describe()}" if completed else ""
-            message = (
-                f"p2p watchdog: pipeline rank {recorder.pipeline_rank} (global rank "
-                f"{recorder.rank}) has waited {waited:.0f}s (--p2p-timeout-seconds "
-                f"{timeout_s:g}) for {oldest.describe()} (global rank {oldest.peer}), posted in "
-                f"call #{oldest.call} as message #{oldest.channel_index} on that channel{last}. "
-                f"Flight record: {path}; run `python tools/diagnose_hang.py {dump_dir}` once "
-                f"every rank has written its record.")
-            print(message, file=sys.stderr, flush=True)
-            (on_hang or _exit_hung)(message)
+            with recorder.dumps_held():  # ending the process: no record left half-written
+                path = recorder.dump(dump_dir, reason=f"p2p operation incomplete for {waited:.0f}s")
+                message = _hang_message(recorder, oldest, waited, timeout_s, path, dump_dir)
+                print(message, file=sys.stderr, flush=True)
+                (on_hang or _exit_hung)(message)
             return
 
     thread = threading.Thread(target=watch, name="p2p-watchdog", daemon=True)
     thread.start()
+    # The watchdog is a daemon thread, stopped wherever it is once the interpreter exits.
+    atexit.register(recorder.dumps_held().acquire)
     return thread
+
+
+def _hang_message(recorder: FlightRecorder, oldest: P2PRecord, waited: float, timeout_s: float,
+                  path: str, dump_dir: str) -> str:
+    completed = [r for r in recorder.records() if r.completed_s is not None]
+    last = f"; the last one completed was {completed[-1].describe()}" if completed else ""
+    return (f"p2p watchdog: pipeline rank {recorder.pipeline_rank} (global rank "
+            f"{recorder.rank}) has waited {waited:.0f}s (--p2p-timeout-seconds "
+            f"{timeout_s:g}) for {oldest.describe()} (global rank {oldest.peer}), posted in "
+            f"call #{oldest.call} as message #{oldest.channel_index} on that channel{last}. "
+            f"Flight record: {path}; run `python tools/diagnose_hang.py {dump_dir}` once "
+            f"every rank has written its record.")
 
 
 def _exit_hung(message: str) -> None:
@@ -249,6 +266,7 @@ class _SigtermWakeup:
 def _end_on_sigterm(recorder: FlightRecorder) -> None:
     """Write the record where the pipeline ran and none was written yet, then exit as SIGTERM
     asks."""
+    recorder.dumps_held().acquire()  # a record the main thread is writing is finished first
     if recorder.records() and recorder.last_dump is None and recorder.dump_dir:
         path = recorder.dump(recorder.dump_dir,
                              reason="SIGTERM (its launcher or scheduler ended the job)")
