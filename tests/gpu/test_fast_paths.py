@@ -113,35 +113,13 @@ def test_flat_adam_trains_like_the_default_optimizer(data, tmp_path, default_los
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
 def test_flat_adam_kernel_on_cuda(distributed):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from tests.unit.test_optimizer_single import Dense, batches, ddp, train_step
+    from tests.unit.flat_adam_interpreted import mismatches, run
 
-    def run(kernel: bool):
-        model = ddp(Dense(torch.bfloat16).cuda(), use_distributed_optimizer=distributed,
-                    grad_reduce_in_fp32=True, bucket_size=100)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.1, bf16=True,
-                            use_distributed_optimizer=distributed,
-                            use_precision_aware_optimizer=True), [model])
-        assert (optimizer.flat_adam._kernel is not None) or not kernel
-        if not kernel:
-            optimizer.flat_adam._kernel = None
-        for seed in range(5):
-            step_batches = [(x.cuda(), y.cuda())
-                            for x, y in batches(2, torch.bfloat16, seed=seed)]
-            success, norm, _ = train_step(model, optimizer, step_batches)
-            assert success and norm > 0.1  # it clips, inside the kernel
-        return model, optimizer
-
-    (model, optimizer), (reference, reference_optimizer) = run(True), run(False)
-    # The kernel takes the bias corrections as exp(step * log(beta)): fp32 rounding only.
-    for main, expected in zip(optimizer.get_parameters(), reference_optimizer.get_parameters()):
-        torch.testing.assert_close(main, expected, rtol=1e-5, atol=1e-6)
-        state, expected_state = optimizer.state[main], reference_optimizer.state[expected]
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-9)
-    for param, expected in zip(model.parameters(), reference.parameters()):
-        assert param.dtype == torch.bfloat16
-        torch.testing.assert_close(param.float(), expected.float(), rtol=1e-2, atol=1e-6)
-        if not distributed:  # the kernel wrote exactly the rounded main weight
-            assert torch.equal(param, param.main_param.to(torch.bfloat16))
+    # Fixed gradients: a comparison through training would let bf16 forward passes of
+    # weights one rounding apart drift, which says nothing about the kernel.
+    expected, got = run(distributed, kernel=False, device="cuda"), run(distributed, kernel=True,
+                                                                        device="cuda")
+    worst, wrong = mismatches(expected, got, model_rounding=True)
+    print(f"flat Adam kernel, {'distributed' if distributed else 'plain'}: "
+          f"{len(got.regions)} region(s), largest relative difference {worst:.2e}")
+    assert wrong == []

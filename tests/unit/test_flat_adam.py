@@ -22,9 +22,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.unit.test_optimizer_single import LR, WD, Dense, batches, ddp, max_diff, train_step
 
 
-def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0):
+def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0,
+          device="cpu"):
     # Overlapped reduction, so that the buffer has buckets (the distributed optimizer's regions).
-    model = ddp(Dense(dtype, seed=seed), use_distributed_optimizer=distributed,
+    model = ddp(Dense(dtype, seed=seed).to(device), use_distributed_optimizer=distributed,
                 grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=100)
     flag = "bf16" if dtype == torch.bfloat16 else "fp16"
     optimizer = get_megatron_optimizer(

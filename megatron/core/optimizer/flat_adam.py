@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-# Elements one kernel instance updates; a chunk never crosses a parameter, so that each one
-# reads a single group's hyperparameters and a single step count.
-CHUNK = 4096
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,8 @@ class _Region:
     main: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    chunks: torch.Tensor | None = None  # int64 [n, 4]: offset, length, group, entry
+    # The kernel's rows, int64 [n, 4] (start, length, group, entry): whole blocks, the rest.
+    chunks: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -76,10 +74,9 @@ def _triton_kernel():
 
     @triton.jit
     def adamw_region(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, chunks_ptr,
-                     hyper_ptr, steps_ptr, scale_ptr, BLOCK: tl.constexpr):
+                     hyper_ptr, steps_ptr, scale_ptr, BLOCK: tl.constexpr, FULL: tl.constexpr):
         row = chunks_ptr + tl.program_id(0) * 4
-        offset = tl.load(row)
-        length = tl.load(row + 1)
+        start = tl.load(row)
         group = tl.load(row + 2)
         entry = tl.load(row + 3)
         hyper = hyper_ptr + group * 5  # per group: lr, weight decay, beta1, beta2, eps
@@ -94,12 +91,19 @@ def _triton_kernel():
         correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
 
         lanes = tl.arange(0, BLOCK)
-        mask = lanes < length
-        at = offset + lanes
-        grad = tl.load(grad_ptr + at, mask=mask, other=0.0) * inv_scale
-        main = tl.load(main_ptr + at, mask=mask, other=0.0)
-        exp_avg = tl.load(exp_avg_ptr + at, mask=mask, other=0.0)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + at, mask=mask, other=0.0)
+        if FULL:
+            # A whole block at a multiple of BLOCK: no mask, so the accesses vectorise.
+            at = tl.multiple_of(start, BLOCK) + lanes
+            mask = None
+            other = None
+        else:
+            at = start + lanes
+            mask = lanes < tl.load(row + 1)
+            other = 0.0
+        grad = tl.load(grad_ptr + at, mask=mask, other=other) * inv_scale
+        main = tl.load(main_ptr + at, mask=mask, other=other)
+        exp_avg = tl.load(exp_avg_ptr + at, mask=mask, other=other)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + at, mask=mask, other=other)
         main = main * (1.0 - lr * weight_decay)
         exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
         exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
@@ -116,6 +120,10 @@ def _triton_kernel():
 class FlatAdamW:
     """Steps ``torch_optimizer`` (a torch.optim.AdamW whose parameters are the mains of
     ``locations``) over flat regions ``[(buffer, lo, hi), ...]``; see the module docstring."""
+
+    # Elements one kernel instance updates. A block never crosses a parameter, so that each
+    # reads one group's hyperparameters and one step count.
+    block_size = 4096
 
     def __init__(self, torch_optimizer: torch.optim.Optimizer,
                  locations: Sequence[MainLocation], regions: Sequence[tuple[object, int, int]]):
@@ -214,17 +222,22 @@ class FlatAdamW:
     # ------------------------------------------------------------ the step
 
     def _build_chunks(self) -> None:
-        per_region: dict[int, list[tuple[int, int, int, int]]] = {}
+        """Per region, the rows (start, length, group, entry) of the kernel's two launches:
+        whole blocks at multiples of ``block_size``, and the rest of each parameter (its head
+        and tail, where it starts or ends inside a block)."""
+        size = self.block_size
+        per_region: dict[int, tuple[list, list]] = {}
         for index, entry in enumerate(self.entries):
-            rows = per_region.setdefault(id(entry.region), [])
-            numel = entry.main.numel()
-            for first in range(0, numel, CHUNK):
-                rows.append((entry.offset + first, min(CHUNK, numel - first), entry.group,
-                             index))
+            full, partial = per_region.setdefault(id(entry.region), ([], []))
+            start, end = entry.offset, entry.offset + entry.main.numel()
+            while start < end:
+                stop = min((start // size + 1) * size, end)
+                rows = full if stop - start == size else partial
+                rows.append((start, stop - start, entry.group, index))
+                start = stop
         for region in self.regions:
-            rows = per_region.get(id(region), [])
-            region.chunks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(
-                region.main.device) if rows else None
+            region.chunks = [torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(
+                region.main.device) for rows in per_region.get(id(region), ([], []))]
 
     def _hyperparameters(self) -> list[tuple[float, ...]]:
         rows = []
@@ -252,11 +265,12 @@ class FlatAdamW:
         scale = (grad_scale.reshape(1).float() if grad_scale is not None
                  else torch.ones(1, dtype=torch.float32, device=device))
         for region in self.regions:
-            if region.chunks is None:
-                continue
-            self._kernel[(region.chunks.shape[0],)](
-                region.main, region.grad, region.exp_avg, region.exp_avg_sq, region.model,
-                region.chunks, hyper_tensor, self.steps, scale, BLOCK=CHUNK, num_warps=8)
+            for full, chunks in zip((True, False), region.chunks):
+                if chunks.shape[0]:
+                    self._kernel[(chunks.shape[0],)](
+                        region.main, region.grad, region.exp_avg, region.exp_avg_sq,
+                        region.model, chunks, hyper_tensor, self.steps, scale,
+                        BLOCK=self.block_size, FULL=full, num_warps=8)
 
     def _step_with_torch(self, hyper: list[tuple[float, ...]],
                          grad_scale: torch.Tensor | None) -> None:
