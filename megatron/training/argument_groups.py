@@ -187,6 +187,8 @@ class CheckpointArgs:
     save: Optional[str] = option(None, "directory to save checkpoints to")
     save_interval: Optional[int] = option(None, "iterations between checkpoints")
     load: Optional[str] = option(None, "directory to load a checkpoint from")
+    ckpt_step: Optional[int] = option(None, "iteration of --load to resume from (default: the "
+                                      "one its latest_checkpointed_iteration.txt names)")
     no_save_optim: bool = option(False, "save no optimizer state")
     no_save_rng: bool = option(False, "save no RNG state")
     no_load_optim: bool = option(False, "do not load the optimizer state")

@@ -150,6 +150,8 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
                             "layout_free")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
+    if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load and an iteration >= 0")
     if args.transformer_impl == "transformer_engine":
         from megatron.core.transformer.te_backend import require_transformer_engine
 

@@ -44,7 +44,7 @@ from megatron.training.checkpoint.formats import (
     TRACKER,
     detect_format,
     open_checkpoint,
-    tracked_iteration_dir,
+    iteration_dir,
 )
 from megatron.training.checkpoint.layout_free import FORMAT_VERSION, LayoutFreeSource
 from megatron.training.checkpoint.ranks import from_every_rank
@@ -235,7 +235,7 @@ def _check_compatible(saved: dict, args, path: str) -> bool:
 def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
     """Restore from ``--load``; returns (iteration, consumed samples), (0, 0) if none there."""
     args = get_args()
-    path = tracked_iteration_dir(args.load)
+    path = iteration_dir(args.load, args.ckpt_step)
     if path is None:
         print_rank_0(f"WARNING: no {TRACKER} in {args.load}: starting from scratch")
         return 0, 0

@@ -1,13 +1,14 @@
 """Resuming ``pretrain_gpt.py`` from a checkpoint, on CPU/gloo with torchrun.
 
-At one layout, with the default dropout, a run stopped by ``--exit-interval`` and resumed with
-``--load`` gives the uninterrupted run's losses bit for bit. At another tp/pp/vpp/dp layout the
-optimizer state (Adam moments, step counts, fp32 main parameters) follows the weights: saved at
-one layout and saved again after loading at another, every tensor is bit-identical, and a run
-resumed at another layout continues with the losses a same-layout resume gives (fp32; the
-tolerance is for the other reduction order of another layout). A ``--ckpt-format torch_dist``
-save (upstream's format, optimizer state in its plain optimizers' layout) resumes so too, and
-the flat Adam (``--use-precision-aware-optimizer``) trains and resumes as the default does.
+At one layout, with the default dropout, a run resumed with ``--load`` from a checkpoint saved
+mid-run (``--ckpt-step``) gives the uninterrupted run's losses bit for bit. At another
+tp/pp/vpp/dp layout the optimizer state (Adam moments, step counts, fp32 main parameters)
+follows the weights: saved at one layout and saved again after loading at another, every tensor
+is bit-identical, and a run resumed at another layout continues with the losses of the
+uninterrupted run (fp32; the tolerance is for the other reduction order of another layout). A
+``--ckpt-format torch_dist`` save (upstream's format, optimizer state in its plain optimizers'
+layout) resumes so too, and the flat Adam (``--use-precision-aware-optimizer``) trains, stops at
+``--exit-interval`` and resumes as the default does.
 """
 
 import pytest
@@ -49,12 +50,11 @@ def _train(data, layout: str, iterations: int, *extra, dropout: bool = False) ->
     pytest.param("dp2-distributed-optimizer", marks=pytest.mark.slow),
 ])
 def test_resume_with_default_dropout_is_bit_identical(layout, data, tmp_path):
-    uninterrupted = _train(data, layout, 8, dropout=True)
-    first = _train(data, layout, 8, "--save", str(tmp_path), "--exit-interval", "4",
-                   dropout=True)
-    resumed = _train(data, layout, 8, "--load", str(tmp_path), dropout=True)
-    assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [5, 6, 7, 8]
-    assert {**first, **resumed} == uninterrupted
+    uninterrupted = _train(data, layout, 8, "--save", str(tmp_path), "--save-interval", "4",
+                           dropout=True)
+    resumed = _train(data, layout, 8, "--load", str(tmp_path), "--ckpt-step", "4", dropout=True)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert resumed == {i: uninterrupted[i] for i in resumed}
 
 
 def _read(root, part: str) -> dict[str, torch.Tensor]:
@@ -91,31 +91,31 @@ def test_optimizer_state_survives_another_layout_bit_for_bit(source, target, pre
     pytest.param("tp2-pp2", "dp2-distributed-optimizer", marks=pytest.mark.slow),
     pytest.param("dp2-distributed-optimizer", "tp2-pp2", marks=pytest.mark.slow),
 ])
-def test_resume_at_another_layout_continues_like_a_same_layout_resume(source, target, data,
-                                                                      tmp_path):
-    _train(data, source, 8, "--save", str(tmp_path), "--exit-interval", "4")
-    same = _train(data, source, 8, "--load", str(tmp_path))
-    other = _train(data, target, 8, "--load", str(tmp_path))
-    assert sorted(same) == sorted(other) == [5, 6, 7, 8]
-    for iteration, value in same.items():
-        assert other[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE), iteration
+def test_resume_at_another_layout_continues_like_the_uninterrupted_run(source, target, data,
+                                                                       tmp_path):
+    # At the same layout a resume gives the uninterrupted run's losses bit for bit (above).
+    uninterrupted = _train(data, source, 8, "--save", str(tmp_path), "--save-interval", "4")
+    other = _train(data, target, 8, "--load", str(tmp_path), "--ckpt-step", "4")
+    assert sorted(other) == [5, 6, 7, 8]
+    for iteration, value in other.items():
+        assert value == pytest.approx(uninterrupted[iteration], rel=CROSS_LAYOUT_TOLERANCE), \
+            iteration
 
 
 def test_resume_from_our_torch_dist_save_at_another_layout_restores_the_optimizer(data,
                                                                                   tmp_path):
     # torch_dist carries the optimizer state in upstream's plain-optimizer layout: --load at
-    # dp 2 with the distributed optimizer (no --no-load-optim) continues like a same-layout
-    # resume of this tree's own format.
-    own, dist_save = tmp_path / "layout_free", tmp_path / "torch_dist"
-    _train(data, "tp2-pp2", 8, "--save", str(own), "--exit-interval", "4")
-    same = _train(data, "tp2-pp2", 8, "--load", str(own))
-    _train(data, "tp2-pp2", 8, "--save", str(dist_save), "--exit-interval", "4",
-           "--ckpt-format", "torch_dist")
-    assert (dist_save / "iter_0000004" / "metadata.json").is_file()
-    other = _train(data, "dp2-distributed-optimizer", 8, "--load", str(dist_save))
-    assert sorted(same) == sorted(other) == [5, 6, 7, 8]
-    for iteration, value in same.items():
-        assert other[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE), iteration
+    # dp 2 with the distributed optimizer (no --no-load-optim) continues like the run it was
+    # saved from.
+    uninterrupted = _train(data, "tp2-pp2", 8, "--save", str(tmp_path), "--save-interval", "4",
+                           "--ckpt-format", "torch_dist")
+    assert (tmp_path / "iter_0000004" / "metadata.json").is_file()
+    other = _train(data, "dp2-distributed-optimizer", 8, "--load", str(tmp_path),
+                   "--ckpt-step", "4")
+    assert sorted(other) == [5, 6, 7, 8]
+    for iteration, value in other.items():
+        assert value == pytest.approx(uninterrupted[iteration], rel=CROSS_LAYOUT_TOLERANCE), \
+            iteration
 
 
 def test_flat_adam_trains_and_resumes_like_the_default_optimizer(data, tmp_path):

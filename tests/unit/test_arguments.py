@@ -139,6 +139,8 @@ def test_upstream_flag_spellings_and_negations(world):
     (["--fp16", "--bf16"], "--fp16 and --bf16 are alternatives"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "alternatives"),
     (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--ckpt-step", "4"], "--ckpt-step 4 needs --load"),
+    (["--load", "x", "--ckpt-step", "-1"], "an iteration >= 0"),
     (["--variable-seq-length-multiple", "0"], "--variable-seq-length-multiple must be at least 1"),
     (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --bf16 or --fp16"),
 ])

@@ -40,6 +40,22 @@ def tracked_iteration_dir(root: str) -> Optional[str]:
     return os.path.join(root, f"iter_{int(text):07d}")
 
 
+def iteration_dir(root: str, step: Optional[int]) -> Optional[str]:
+    """The iteration directory to load from ``root``: that of ``step`` when one is given
+    (``--ckpt-step``), else the tracked one (None without a tracker)."""
+    if step is None:
+        return tracked_iteration_dir(root)
+    path = os.path.join(root, f"iter_{step:07d}")
+    if not os.path.isdir(path):
+        saved = sorted(int(name[5:]) for name in os.listdir(root)
+                       if name.startswith("iter_") and name[5:].isdigit()) \
+            if os.path.isdir(root) else []
+        raise CheckpointFormatError(
+            f"--ckpt-step {step}: {root} has no iteration {step} ({path}); it holds "
+            + (f"iterations {', '.join(map(str, saved))}" if saved else "none"))
+    return path
+
+
 def detect_format(path: str) -> str:
     if is_layout_free_checkpoint(path):
         return "layout_free"
