@@ -112,14 +112,15 @@ def test_flat_adam_trains_like_the_default_optimizer(data, tmp_path, default_los
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
-def test_flat_adam_kernel_on_cuda(distributed):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flat_adam_kernel_on_cuda(distributed, dtype):
     from tests.unit.flat_adam_interpreted import mismatches, run
 
     # Fixed gradients: a comparison through training would let bf16 forward passes of
     # weights one rounding apart drift, which says nothing about the kernel.
-    expected, got = run(distributed, kernel=False, device="cuda"), run(distributed, kernel=True,
-                                                                        device="cuda")
+    expected = run(distributed, kernel=False, device="cuda", dtype=dtype)
+    got = run(distributed, kernel=True, device="cuda", dtype=dtype)
     worst, wrong = mismatches(expected, got, model_rounding=True)
-    print(f"flat Adam kernel, {'distributed' if distributed else 'plain'}: "
+    print(f"flat Adam kernel, {dtype}, {'distributed' if distributed else 'plain'}: "
           f"{len(got.regions)} region(s), largest relative difference {worst:.2e}")
     assert wrong == []

@@ -3,8 +3,8 @@
 Run by ``test_flat_adam.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` and a triton
 install on ``PYTHONPATH``. Both sides get the same random gradients (and a gradient scale) for
 four steps, plain and sharded over the buckets; prints one line per layout and exits 1 on a
-mismatch. The interpreter truncates fp32 to bf16 where GPUs round, so the written weights are
-held to one bf16 step of the main weights rather than to equality. ``run`` and ``mismatches``
+mismatch, for bf16 and fp16 weights. The interpreter truncates fp32 to bf16 where GPUs round,
+so the written weights are held to one step of their precision rather than to equality. ``run`` and ``mismatches``
 also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
 """
 
@@ -22,10 +22,10 @@ from tests.unit.test_flat_adam import build
 BLOCK_SIZE = 16
 
 
-def run(distributed: bool, kernel: bool, device: str = "cpu"):
+def run(distributed: bool, kernel: bool, device: str = "cpu", dtype=torch.bfloat16):
     """Four steps of the flat Adam on the same random gradients (scaled by 2), with the Triton
     kernel or with the torch arithmetic."""
-    _, optimizer = build(True, distributed=distributed, device=device)
+    _, optimizer = build(True, dtype, distributed=distributed, device=device)
     flat = optimizer.flat_adam
     flat._kernel = flat_adam._triton_kernel() if kernel else None
     flat.block_size = BLOCK_SIZE
@@ -56,8 +56,10 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
         if model_rounding:
             if not torch.equal(have.model, have.main.to(have.model.dtype)):
                 wrong.append(f"region {index} model weights")
-        elif ((have.model.float() - have.main).abs() > have.main.abs() * 2.0 ** -7 + 1e-30).any():
-            wrong.append(f"region {index} model weights")
+        else:
+            ulp = torch.finfo(have.model.dtype).eps
+            if ((have.model.float() - have.main).abs() > have.main.abs() * ulp + 1e-30).any():
+                wrong.append(f"region {index} model weights")
     if not torch.equal(expected.steps, got.steps):
         wrong.append("step counts")
     return worst, wrong
@@ -66,12 +68,15 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
 def main() -> int:
     assert flat_adam._triton_kernel() is not None, "triton is not importable"
     failed = False
-    for distributed in (False, True):
-        expected, got = run(distributed, False), run(distributed, True)
-        worst, wrong = mismatches(expected, got, model_rounding=False)
-        print(f"{'distributed' if distributed else 'plain'}: {len(got.regions)} region(s), "
-              f"largest relative difference {worst:.2e}" + (f"; WRONG: {wrong}" if wrong else ""))
-        failed |= bool(wrong)
+    for dtype in (torch.bfloat16, torch.float16):
+        for distributed in (False, True):
+            expected = run(distributed, False, dtype=dtype)
+            got = run(distributed, True, dtype=dtype)
+            worst, wrong = mismatches(expected, got, model_rounding=False)
+            print(f"{str(dtype)[6:]}, {'distributed' if distributed else 'plain'}: "
+                  f"{len(got.regions)} region(s), largest relative difference {worst:.2e}"
+                  + (f"; WRONG: {wrong}" if wrong else ""))
+            failed |= bool(wrong)
     return 1 if failed else 0
 
 
