@@ -54,14 +54,19 @@ def is_variable(flags: list[str]) -> bool:
     return "--variable-seq-lengths" in flags
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT shape the GPU benches share (default: about 1.3B parameters)."""
     parser.add_argument("--num-layers", type=int, default=24)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--num-attention-heads", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=32000)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_arguments(parser)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--impls", default="ours,trainer,trainer-distopt,trainer-flat,"

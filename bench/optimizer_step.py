@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from gpt_step import add_shape_arguments
+
 REPO = Path(__file__).resolve().parents[1]
 BYTES_PER_PARAMETER = 30
 DEVICE = "cuda"
@@ -29,11 +31,7 @@ DEVICE = "cuda"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-layers", type=int, default=24)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--use-distributed-optimizer", action="store_true",
