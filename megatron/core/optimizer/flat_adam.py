@@ -16,8 +16,9 @@ noticed at the next step and copied into the flat storage.
 
 The update is torch's AdamW (decoupled weight decay, bias-corrected moments); the gradient is
 divided by the optimizer's ``grad_scale`` when one is set, as in torch's fused kernel. On CUDA
-it is one Triton kernel per region; elsewhere the same arithmetic runs as torch operations
-per parameter.
+it is one Triton kernel per region, launched over the blocks that lie whole inside a parameter
+(aligned, so their accesses vectorise) and then over the parameters' heads and tails; elsewhere
+the same arithmetic runs as torch operations per parameter.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-
 
 
 @dataclass(frozen=True)
