@@ -319,7 +319,7 @@ def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
     for label, root in roots.items():
         spec = MODELS[label.split("/")[0]]
         model, optimizer, scheduler = optimizer_and_scheduler(our_model(spec, 1, pp), distributed)
-        set_args(argparse.Namespace(**spec["args"], load=root, finetune=False,
+        set_args(argparse.Namespace(**spec["args"], load=root, ckpt_step=None, finetune=False,
                                     no_load_optim=False))
         iteration, _ = load_checkpoint([model], optimizer, scheduler)
         found.append((label, iteration, scheduler.num_steps,
