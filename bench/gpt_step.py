@@ -24,8 +24,9 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
   microbatch padded to its longest sample); its tokens/s counts real tokens only.
 
 ``--torch-compile`` adds compiled variants of ours and plain torch, ``--cuda-graph`` variants
-whose forward and backward replay CUDA graphs (the most graphs can save in host work). Each implementation runs
-in its own process; the step time is the median of ``--steps`` steps after ``--warmup``.
+whose forward and backward replay CUDA graphs (the most graphs can save in host work). Each
+implementation runs in its own process; the step time is the median of ``--steps`` steps after
+``--warmup``.
 Tokens/s and MFU use megatron.training.flops (Megatron's formula) against ``--peak-tflops``.
 """
 

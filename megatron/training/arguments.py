@@ -214,7 +214,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
 
 def _check_learning_rate_schedule(args: argparse.Namespace) -> None:
     """The schedule the optimizer's scheduler will be built from, checked in flag names."""
-    if args.lr < 0 or not 0 <= args.min_lr <= args.lr:
+    if not 0 <= args.min_lr <= args.lr:
         raise ArgumentError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr})")
     if args.train_iters < 1:
         raise ArgumentError(f"--train-iters must be >= 1, got {args.train_iters}")

@@ -2,10 +2,10 @@
 
 Run by ``test_flat_adam.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` and a triton
 install on ``PYTHONPATH``. Both sides get the same random gradients (and a gradient scale) for
-four steps, plain and sharded over the buckets; prints one line per layout and exits 1 on a
-mismatch, for bf16 and fp16 weights. The interpreter truncates fp32 to bf16 where GPUs round,
-so the written weights are held to one step of their precision rather than to equality. ``run`` and ``mismatches``
-also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
+four steps, plain and sharded over the buckets, for bf16 and fp16 weights; prints one line
+per case and exits 1 on a mismatch. The interpreter truncates fp32 to half precision where GPUs
+round, so the written weights are held to one step of their precision rather than to equality.
+``run`` and ``mismatches`` also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
     """The largest relative difference of main weights and moments, and what does not match.
 
     ``model_rounding``: the written half-precision weights must be the main weights rounded
-    to nearest; otherwise (the interpreter truncates) within one bf16 step of them.
+    to nearest; otherwise (the interpreter truncates) within one step of their precision.
     """
     worst, wrong = 0.0, []
     for index, (want, have) in enumerate(zip(expected.regions, got.regions)):

@@ -213,7 +213,8 @@ def test_precision_aware_optimizer_reaches_the_optimizer_config(world):
 @pytest.mark.parametrize("flags,message", [
     (("--lr-warmup-iters", "3"), r"--lr-warmup-iters 3 must be smaller than the decay "
                                  r"iterations, 3 \(--train-iters, as --lr-decay-iters is unset\)"),
-    (("--lr-warmup-iters", "5", "--lr-decay-iters", "4"), r"decay iterations, 4 \(--lr-decay-iters\)"),
+    (("--lr-warmup-iters", "5", "--lr-decay-iters", "4"),
+     r"decay iterations, 4 \(--lr-decay-iters\)"),
     (("--lr-warmup-fraction", "1.0"), r"--lr-warmup-fraction must be in \[0, 1\), got 1.0"),
     (("--lr-decay-iters", "0"), "--lr-decay-iters must be >= 1, got 0"),
     (("--min-lr", "2e-3"), r"need 0 <= --min-lr \(0.002\) <= --lr \(0.001\)"),

@@ -47,9 +47,9 @@ def iteration_dir(root: str, step: Optional[int]) -> Optional[str]:
         return tracked_iteration_dir(root)
     path = os.path.join(root, f"iter_{step:07d}")
     if not os.path.isdir(path):
-        saved = sorted(int(name[5:]) for name in os.listdir(root)
-                       if name.startswith("iter_") and name[5:].isdigit()) \
-            if os.path.isdir(root) else []
+        names = os.listdir(root) if os.path.isdir(root) else []
+        saved = sorted(int(name[5:]) for name in names
+                       if name.startswith("iter_") and name[5:].isdigit())
         raise CheckpointFormatError(
             f"--ckpt-step {step}: {root} has no iteration {step} ({path}); it holds "
             + (f"iterations {', '.join(map(str, saved))}" if saved else "none"))
