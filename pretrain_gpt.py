@@ -98,4 +98,4 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-             forward_step)
+             forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})

@@ -38,7 +38,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     get_bin_path,
     get_idx_path,
 )
-from megatron.training.argument_schema import add_config_arguments  # noqa: E402
+from megatron.training.flags.schema import add_config_arguments  # noqa: E402
 from megatron.training.tokenizer import TokenizerArgs, build_tokenizer  # noqa: E402
 
 _BATCH_LINES = 256

@@ -1,13 +1,15 @@
 """Command-line arguments: upstream Megatron-LM's flags, declared as typed configs.
 
 Each group of flags is a dataclass whose fields are the flags (field ``seed`` is ``--seed``),
-with help text, choices and extra spellings in the field's metadata. The parser is generated
-from these dataclasses, so every flag is declared once, and ``config_from_args`` turns the
-parsed namespace back into the typed configs the rest of the tree consumes. ``get_args()``
-keeps upstream's flat namespace for code that expects it.
+with help text, choices, extra spellings and how this tree supports it in the field's metadata
+(``megatron.training.flags``). The parser is generated from these dataclasses, so every flag is
+declared once, and ``config_from_args`` turns the parsed namespace back into the typed configs.
+``get_args()`` keeps upstream's flat namespace for code that expects it.
 
-``validate_args`` derives what upstream derives (rank, world size, data-parallel size,
-virtual pipeline size); an inconsistent combination is an error that names the flags.
+``validate_args`` first refuses every flag of a feature this tree does not have, all in one
+message, then derives what upstream derives (rank, world size, data-parallel size, virtual
+pipeline size, upstream's older spellings); an inconsistent combination is an error that names
+the flags. It runs on every rank before any process group exists.
 """
 
 from __future__ import annotations
@@ -18,18 +20,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron.training.argument_groups import (
-    ARGUMENT_GROUPS, CheckpointArgs, DataArgs, DistributedArgs, LoggingArgs, MixedPrecisionArgs,
-    ModelArgs, ParallelismArgs, RandomArgs, TrainingArgs,
+from megatron.core.transformer.enums import AttnBackend
+from megatron.training.flags.groups import ARGUMENT_GROUPS
+from megatron.training.flags.schema import (
+    add_config_arguments, config_from_args, flag_name, refusals,
 )
-from megatron.training.argument_schema import add_config_arguments, config_from_args, flag_name
 
-# The typed config groups and the helpers are importable from here as well.
 __all__ = [
-    "ARGUMENT_GROUPS", "CheckpointArgs", "DataArgs", "DistributedArgs", "LoggingArgs",
-    "MixedPrecisionArgs", "ModelArgs", "ParallelismArgs", "RandomArgs", "TrainingArgs",
-    "ArgumentError", "add_config_arguments", "config_from_args", "flag_name", "parse_args",
-    "validate_args", "validate_training_args", "agreement_items", "build_parser",
+    "ARGUMENT_GROUPS", "ArgumentError", "add_config_arguments", "config_from_args", "flag_name",
+    "parse_args", "validate_args", "validate_training_args", "agreement_items", "build_parser",
 ]
 
 
@@ -55,7 +54,45 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
 
 
 class ArgumentError(ValueError):
-    """Arguments that cannot work together; the message names the flags."""
+    """Arguments that cannot work together, or a feature this tree lacks; names the flags."""
+
+
+def _refuse_unavailable(args: argparse.Namespace) -> None:
+    lines = refusals(args, ARGUMENT_GROUPS)
+    if lines:
+        raise ArgumentError("\n".join(lines))
+
+
+def _one_of(args: argparse.Namespace, name: str, alias: str) -> None:
+    """Upstream's second spelling of a GPT setting (``--encoder-seq-length``): give one."""
+    if getattr(args, alias) is not None:
+        if getattr(args, name) is not None:
+            raise ArgumentError(f"{flag_name(name)} and {flag_name(alias)} are the same setting "
+                                f"for GPT; give one")
+        setattr(args, name, getattr(args, alias))
+    setattr(args, alias, getattr(args, name))
+
+
+def _resolve_spellings(args: argparse.Namespace) -> None:
+    """Upstream's older or alternative spellings, mapped as upstream maps them."""
+    _one_of(args, "num_layers", "encoder_num_layers")
+    _one_of(args, "seq_length", "encoder_seq_length")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ArgumentError("--no-position-embedding: choose the position embedding with "
+                            "--position-embedding-type (none, rope or learned_absolute)")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.use_flash_attn:
+        if args.attention_backend not in (AttnBackend.auto, AttnBackend.flash):
+            raise ArgumentError(f"--use-flash-attn and --attention-backend "
+                                f"{args.attention_backend.name} disagree; give one")
+        args.attention_backend = AttnBackend.flash
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True  # as upstream: the scaling needs an fp32 softmax
+    if args.add_bias_linear:
+        args.add_qkv_bias = True  # as upstream: --add-qkv-bias only matters without biases
 
 
 def _derive_virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
@@ -76,24 +113,27 @@ def _derive_virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
         return per_rank if per_rank > 1 else None
     if args.num_layers is None:
         raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --num-layers")
-    if per_stage < 1 or args.num_layers % pp or (args.num_layers // pp) % per_stage:
+    if args.decoder_first_pipeline_num_layers is not None or \
+            args.decoder_last_pipeline_num_layers is not None:
+        raise ArgumentError("uneven pipeline stages (--decoder-first/last-pipeline-num-layers) "
+                            "take --num-virtual-stages-per-pipeline-rank for interleaving, not "
+                            "--num-layers-per-virtual-pipeline-stage")
+    # The embedding and the loss count as layers when the split accounts for them.
+    slots = (args.num_layers + args.account_for_embedding_in_pipeline_split
+             + args.account_for_loss_in_pipeline_split)
+    if per_stage < 1 or slots % pp or (slots // pp) % per_stage:
+        counted = f" ({slots} counting the embedding/loss)" if slots != args.num_layers else ""
         raise ArgumentError(
-            f"--num-layers {args.num_layers} must split evenly into "
+            f"--num-layers {args.num_layers}{counted} must split evenly into "
             f"--pipeline-model-parallel-size {pp} stages of "
             f"--num-layers-per-virtual-pipeline-stage {per_stage} layers each")
-    chunks = args.num_layers // pp // per_stage
+    chunks = slots // pp // per_stage
     return chunks if chunks > 1 else None
 
 
-def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> argparse.Namespace:
-    """Apply ``defaults`` to flags left unset, check combinations, fill in derived values."""
-    for key, value in (defaults or {}).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    args.rank = int(os.getenv("RANK", "0"))
-    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+def _check_layout(args: argparse.Namespace) -> None:
     for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size"):
+                 "context_parallel_size", "num_distributed_optimizer_instances"):
         if getattr(args, dest) < 1:
             raise ArgumentError(f"{flag_name(dest)} must be >= 1, got {getattr(args, dest)}")
     model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
@@ -111,6 +151,57 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
         args.sequence_parallel = False
     # As upstream's CLI: overlapped p2p is unbatched, blocking p2p is batched.
     args.batch_p2p_comm = not args.overlap_p2p_comm
+    if args.overlap_p2p_comm_warmup_flush and not args.overlap_p2p_comm:
+        raise ArgumentError("--overlap-p2p-communication-warmup-flush needs the overlapped "
+                            "pipeline p2p; drop --no-overlap-p2p-communication")
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and (not args.use_distributed_optimizer or args.data_parallel_size % instances):
+        raise ArgumentError(
+            f"--num-distributed-optimizer-instances {instances} needs "
+            f"--use-distributed-optimizer and a data-parallel size ({args.data_parallel_size}) "
+            f"divisible by it")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          and args.overlap_grad_reduce):
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer and "
+                            "--overlap-grad-reduce")
+    if args.defer_embedding_wgrad_compute and args.wgrad_deferral_limit < 0:
+        raise ArgumentError(f"--wgrad-deferral-limit must be >= 0, got "
+                            f"{args.wgrad_deferral_limit}")
+
+
+def _check_precision(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are alternatives; give one")
+    if args.use_precision_aware_optimizer and (
+            args.optimizer != "adam" or not (args.fp16 or args.bf16)):
+        raise ArgumentError("--use-precision-aware-optimizer needs --bf16 or --fp16 and "
+                            "--optimizer adam: it keeps fp32 main weights beside half-precision "
+                            "ones")
+    args.params_dtype = (torch.float16 if args.fp16 else
+                         torch.bfloat16 if args.bf16 else torch.float32)
+    if args.fp16 and not args.loss_scale:
+        # As upstream: with dynamic loss scaling an overflow is a signal to the scaler.
+        args.check_for_nan_in_loss_and_grad = False
+    if args.bf16:
+        # As upstream: bf16's 8-bit mantissa drops small gradient contributions, so gradients
+        # are accumulated over microbatches and reduced in fp32 (also the optimizer's dtype).
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.fp16_lm_cross_entropy and not args.fp16:
+        raise ArgumentError("--fp16-lm-cross-entropy needs --fp16")
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            raise ArgumentError("--start-weight-decay and --end-weight-decay need "
+                                "--weight-decay-incr-style linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                            f"--start-weight-decay and --end-weight-decay")
+
+
+_DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def _check_runtime(args: argparse.Namespace) -> None:
     # The weight-gradient GEMM accumulates into main_grad on CUDA with the local layers (torch's
     # own GEMM; Transformer Engine's fused accumulation is left off, as nothing here tests it).
     args.gradient_accumulation_fusion = (args.gradient_accumulation_fusion
@@ -129,21 +220,24 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     if args.distributed_startup_timeout_seconds <= 0 or args.distributed_timeout_minutes <= 0:
         raise ArgumentError("--distributed-startup-timeout-seconds and "
                             "--distributed-timeout-minutes must be positive")
-    if args.fp16 and args.bf16:
-        raise ArgumentError("--fp16 and --bf16 are alternatives; give one")
-    if args.use_precision_aware_optimizer and (
-            args.optimizer != "adam" or not (args.fp16 or args.bf16)):
-        raise ArgumentError("--use-precision-aware-optimizer needs --bf16 or --fp16 and "
-                            "--optimizer adam: it keeps fp32 main weights beside half-precision "
-                            "ones")
-    args.params_dtype = (torch.float16 if args.fp16 else
-                         torch.bfloat16 if args.bf16 else torch.float32)
-    if args.bf16:
-        # As upstream: bf16's 8-bit mantissa drops small gradient contributions, so gradients
-        # are accumulated over microbatches and reduced in fp32 (also the optimizer's dtype).
-        args.accumulate_allreduce_grads_in_fp32 = True
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters are alternatives")
+    if args.deterministic_mode and args.distributed_backend == "nccl" and \
+            os.environ.get("NCCL_ALGO") not in _DETERMINISTIC_NCCL_ALGOS:
+        raise ArgumentError(f"--deterministic-mode with NCCL needs NCCL_ALGO set to one of "
+                            f"{', '.join(_DETERMINISTIC_NCCL_ALGOS)} (the reduction order must "
+                            f"not change between runs); it is "
+                            f"{os.environ.get('NCCL_ALGO', 'unset')}")
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.transformer.te_backend import transformer_engine_available
+
+        if not transformer_engine_available():
+            # Same parameters, names and math: only the kernels differ.
+            if args.rank == 0:
+                print("note: Transformer Engine is not installed; --transformer-impl "
+                      "transformer_engine runs the local layers", flush=True)
+            args.transformer_impl = "local"
+
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.ckpt_format == "torch" and args.save is not None:
         raise ArgumentError("--ckpt-format torch: upstream's legacy per-rank format is written "
                             "offline by tools/checkpoint_convert.py; save with torch_dist or "
@@ -152,15 +246,63 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
     if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load and an iteration >= 0")
-    if args.transformer_impl == "transformer_engine":
-        from megatron.core.transformer.te_backend import require_transformer_engine
+    if args.async_save and (args.save is None or args.ckpt_format != "torch_dist"):
+        raise ArgumentError("--async-save needs --save and --ckpt-format torch_dist")
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ArgumentError("--use-checkpoint-opt_param-scheduler and "
+                            "--override-opt_param-scheduler are alternatives; give one")
 
+
+def _check_schedule(args: argparse.Namespace) -> None:
+    """Iterations or samples: upstream counts training and its schedule in one or the other."""
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ArgumentError("--train-iters and --train-samples are alternatives; give one")
+    by_samples = ("lr_decay_samples", "lr_wsd_decay_samples")
+    by_iters = ("lr_decay_iters", "lr_wsd_decay_iters")
+    if args.train_iters is not None:
+        wrong = [flag_name(n) for n in by_samples if getattr(args, n) is not None]
+        wrong += ["--lr-warmup-samples"] if args.lr_warmup_samples else []
+        if wrong:
+            raise ArgumentError(f"{', '.join(wrong)}: with --train-iters the schedule is given "
+                                f"in iterations (--lr-decay-iters, --lr-warmup-iters, ...)")
+    if args.train_samples is not None:
+        wrong = [flag_name(n) for n in by_iters if getattr(args, n) is not None]
+        wrong += ["--lr-warmup-iters"] if args.lr_warmup_iters else []
+        if wrong:
+            raise ArgumentError(f"{', '.join(wrong)}: with --train-samples the schedule is "
+                                f"given in samples (--lr-decay-samples, --lr-warmup-samples, ...)")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples "
+                            "are alternatives")
+    if args.rampup_batch_size is not None:
         try:
-            require_transformer_engine()
-        except RuntimeError as error:
-            raise ArgumentError(f"--transformer-impl transformer_engine: {error}") from None
+            start, increment, samples = (int(value) for value in args.rampup_batch_size)
+        except ValueError:
+            raise ArgumentError(f"--rampup-batch-size takes three integers: <start batch size> "
+                                f"<increment> <ramp-up samples>, got "
+                                f"{' '.join(args.rampup_batch_size)!r}") from None
+        if start < 1 or increment < 1 or samples < 0:
+            raise ArgumentError(f"--rampup-batch-size {start} {increment} {samples}: the batch "
+                                f"sizes must be >= 1 and the samples >= 0")
+
+
+def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> argparse.Namespace:
+    """Refuse unavailable features, apply ``defaults`` to flags left unset, check combinations
+    and fill in derived values."""
+    _refuse_unavailable(args)
     if args.tokenizer_type is None and args.mock_data and args.vocab_size:
         args.tokenizer_type = "NullTokenizer"  # synthetic data only needs a vocabulary size
+    for key, value in (defaults or {}).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.rank = int(os.getenv("RANK", "0"))
+    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    _resolve_spellings(args)
+    _check_layout(args)
+    _check_precision(args)
+    _check_runtime(args)
+    _check_checkpointing(args)
+    _check_schedule(args)
     _fill_model_defaults(args)
     return args
 

@@ -3,9 +3,9 @@
 import pytest
 
 from megatron.training.arguments import (
-    ArgumentError, DistributedArgs, ParallelismArgs, agreement_items, config_from_args,
-    parse_args, validate_args,
+    ArgumentError, agreement_items, config_from_args, parse_args, validate_args,
 )
+from megatron.training.flags.groups import DistributedArgs, TrainingArgs
 from megatron.training.config_builders import core_transformer_config_from_args
 
 
@@ -35,14 +35,14 @@ def test_typed_configs_round_trip(world):
     world(4)
     args = validate_args(parsed("--pipeline-model-parallel-size", "2", "--sequence-parallel",
                                 "--tensor-model-parallel-size", "2"))
-    parallel = config_from_args(args, ParallelismArgs)
-    # validate_args turns fused gradient accumulation off on CPU (gloo): it is a CUDA GEMM's;
-    # variable lengths are not bucketed there.
-    assert parallel == ParallelismArgs(tensor_model_parallel_size=2,
-                                       pipeline_model_parallel_size=2, sequence_parallel=True,
-                                       gradient_accumulation_fusion=False,
-                                       variable_seq_length_multiple=1)
-    assert config_from_args(args, DistributedArgs).distributed_backend == "gloo"
+    parallel = config_from_args(args, DistributedArgs)
+    # Variable lengths are not bucketed on CPU (gloo).
+    assert parallel == DistributedArgs(tensor_model_parallel_size=2,
+                                       pipeline_model_parallel_size=2,
+                                       distributed_backend="gloo", variable_seq_length_multiple=1)
+    training = config_from_args(args, TrainingArgs)
+    # validate_args turns fused gradient accumulation off on CPU: it is a CUDA GEMM's.
+    assert training.sequence_parallel and not training.gradient_accumulation_fusion
 
 
 @pytest.mark.parametrize("argv,vpp", [
@@ -115,7 +115,7 @@ def test_agreement_items_leave_out_per_rank_values(world):
     world(2, rank=1)
     names = [name for name, _ in agreement_items(validate_args(parsed("--local-rank", "1")))]
     assert "rank" not in names and "local_rank" not in names
-    assert names.index("tensor_model_parallel_size") < names.index("seed")
+    assert names.index("num_layers") < names.index("seed")
     assert "world_size" in names
 
 
@@ -150,10 +150,11 @@ def test_more_inconsistent_flags(world, argv, message):
         validate_args(parsed(*argv))
 
 
-def test_transformer_engine_without_it_names_the_local_implementation(world):
+def test_transformer_engine_without_it_runs_the_local_layers(world, capsys):
     world(1)
-    with pytest.raises(ArgumentError, match="--transformer-impl local"):
-        validate_args(parse_args(argv=["--distributed-backend", "gloo"]))
+    args = validate_args(parse_args(argv=["--distributed-backend", "gloo"]))
+    assert args.transformer_impl == "local"
+    assert "Transformer Engine is not installed" in capsys.readouterr().out
 
 
 def test_training_needs_its_flags(world):

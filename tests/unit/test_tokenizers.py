@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from megatron.training.argument_schema import add_config_arguments
+from megatron.training.flags.schema import add_config_arguments
 from megatron.training.tokenizer import (
     GPT2BPETokenizer,
     GPTSentencePieceTokenizer,

@@ -51,6 +51,14 @@ def _import_te():
     return te_pytorch
 
 
+def transformer_engine_available() -> bool:
+    try:
+        _import_te()
+    except RuntimeError:
+        return False
+    return True
+
+
 def require_transformer_engine() -> None:
     """Raise RuntimeError (naming ``--transformer-impl local``) unless TE is importable."""
     _import_te()

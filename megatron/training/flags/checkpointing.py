@@ -1,0 +1,86 @@
+"""Flags of saving and loading checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.training.flags.schema import option, unavailable
+
+_NON_PERSISTENT = ("non-persistent (local or in-memory) checkpoints are not implemented; save "
+                   "more often with --save-interval")
+_FROM_CHECKPOINT_ARGS = ("model flags are not read back from a checkpoint; give them on the "
+                         "command line (tools/checkpoint_convert.py prints a checkpoint's)")
+_CONVERT = "use tools/checkpoint_convert.py to change a checkpoint's format"
+
+
+@dataclasses.dataclass
+class CheckpointingArgs:
+    save: Optional[str] = option(None, "directory to save checkpoints to")
+    save_interval: Optional[int] = option(None, "iterations between checkpoints",
+                                          flags=("--save-interval", "--persistent-save-interval"))
+    no_save_optim: bool = option(False, "save no optimizer state")
+    no_save_rng: bool = option(False, "save no RNG state")
+    load: Optional[str] = option(None, "directory to load a checkpoint from")
+    no_load_optim: bool = option(False, "do not load the optimizer state")
+    no_load_rng: bool = option(False, "do not load the RNG state")
+    non_persistent_save_interval: Optional[int] = unavailable(None, _NON_PERSISTENT)
+    non_persistent_ckpt_type: Optional[str] = unavailable(
+        None, _NON_PERSISTENT, choices=("global", "local", "in_memory"))
+    non_persistent_global_ckpt_dir: Optional[str] = unavailable(None, _NON_PERSISTENT)
+    non_persistent_local_ckpt_dir: Optional[str] = unavailable(None, _NON_PERSISTENT)
+    non_persistent_local_ckpt_algo: str = unavailable("fully_parallel", _NON_PERSISTENT,
+                                                      choices=("fully_parallel", "atomic"))
+    finetune: bool = option(False, "load model weights only and start at iteration 0")
+    pretrained_checkpoint: Optional[str] = option(
+        None, "when --load holds no checkpoint, start from this one's weights as --finetune "
+        "does")
+    ckpt_step: Optional[int] = option(None, "iteration of --load to resume from (default: the "
+                                      "one its latest_checkpointed_iteration.txt names)")
+    perform_initialization: bool = option(True, "skip the random initialisation of the weights "
+                                          "(they are loaded anyway)",
+                                          negative=("--no-initialization",))
+    use_checkpoint_args: bool = unavailable(False, _FROM_CHECKPOINT_ARGS)
+    use_mp_args_from_checkpoint_args: bool = unavailable(False, _FROM_CHECKPOINT_ARGS)
+    use_tokenizer_model_from_checkpoint_args: bool = unavailable(
+        True, _FROM_CHECKPOINT_ARGS,
+        negative=("--no-use-tokenizer-model-from-checkpoint-args",))
+    exit_on_missing_checkpoint: bool = option(False, "stop if --load holds no checkpoint "
+                                              "instead of training from scratch")
+    use_dist_ckpt_deprecated: bool = option(False, "", flags=("--use-dist-ckpt",),
+                                            accepted="no effect, as upstream; the format is "
+                                            "--ckpt-format")
+    auto_detect_ckpt_format: bool = option(False, "", accepted="--load always detects the "
+                                           "format")
+    dist_ckpt_format_deprecated: Optional[str] = option(
+        None, "", flags=("--dist-ckpt-format",),
+        accepted="no effect, as upstream; the format is --ckpt-format")
+    ckpt_format: str = option(
+        "layout_free", "format --save writes: this tree's layout_free (weights and optimizer "
+        "state loadable at any layout) or upstream's torch_dist (weights, scheduler and the "
+        "optimizer state in upstream's plain-optimizer layout, for megatron-core); --load "
+        "detects the format itself", choices=("layout_free", "torch", "torch_dist", "zarr"),
+        refused="the zarr format (deprecated upstream) is not implemented; use torch_dist",
+        refuse_if=lambda value: value == "zarr")
+    ckpt_convert_format: Optional[str] = unavailable(None, _CONVERT,
+                                                     choices=("torch", "torch_dist", "zarr"))
+    ckpt_convert_save: Optional[str] = unavailable(None, _CONVERT)
+    ckpt_convert_update_legacy_dist_opt_format: bool = unavailable(False, _CONVERT)
+    ckpt_fully_parallel_save: bool = option(
+        True, "torch_dist saves spread the writing of replicated tensors over the data-parallel "
+        "ranks (else the first replica writes them)", flags=("--ckpt-fully-parallel-save",),
+        negative=("--no-ckpt-fully-parallel-save",))
+    async_save: bool = option(False, "write torch_dist checkpoints in the background while "
+                              "training goes on (the next save or the exit waits for it)")
+    ckpt_fully_parallel_load: bool = option(
+        False, "torch_dist loads read each replicated tensor once, on one data-parallel rank, "
+        "and broadcast it to the others")
+    ckpt_assume_constant_structure: bool = option(
+        False, "reuse the first torch_dist save's plan for later saves (the model and optimizer "
+        "do not change shape)")
+    dist_ckpt_strictness: str = option(
+        "assume_ok_unexpected", "missing keys are errors and unexpected keys are ignored",
+        choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                 "raise_all", "return_unexpected", "return_all", "ignore_all"),
+        refused="only assume_ok_unexpected (the default) is implemented",
+        refuse_if=lambda value: value != "assume_ok_unexpected")

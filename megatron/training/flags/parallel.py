@@ -1,0 +1,132 @@
+"""Flags of parallelism and torch.distributed, with this tree's own start-up and p2p safety flags.
+
+This tree's own: ``--distributed-startup-timeout-seconds``, ``--variable-seq-lengths`` (upstream
+has the config field but forces it off), ``--variable-seq-length-multiple``,
+``--overlap-p2p-communication``, ``--p2p-timeout-seconds``, ``--p2p-debug-tags``,
+``--p2p-dump-dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from megatron.training.flags.schema import option, unavailable
+
+_ENCODER = "separate encoder parallelism (T5, multimodal) is not implemented"
+_CONTEXT_PARALLEL = ("context parallelism is not implemented; long sequences need tensor "
+                     "parallelism with --sequence-parallel and activation recomputation")
+
+
+@dataclasses.dataclass
+class DistributedArgs:
+    tensor_model_parallel_size: int = option(1, "tensor model-parallel degree")
+    encoder_tensor_model_parallel_size: int = unavailable(0, _ENCODER)
+    pipeline_model_parallel_size: int = option(1, "pipeline model-parallel degree (stages)")
+    encoder_pipeline_model_parallel_size: int = unavailable(0, _ENCODER)
+    pipeline_model_parallel_split_rank: Optional[int] = unavailable(None, _ENCODER)
+    decoder_first_pipeline_num_layers: Optional[int] = option(
+        None, "layers of the first pipeline stage (the rest split evenly over the others)")
+    decoder_last_pipeline_num_layers: Optional[int] = option(
+        None, "layers of the last pipeline stage (the rest split evenly over the others)")
+    model_parallel_size: Optional[int] = unavailable(
+        None, "upstream removed it; use --tensor-model-parallel-size")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "layers per virtual pipeline stage (interleaved schedule)")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = option(
+        None, "virtual pipeline stages (model chunks) per pipeline rank (interleaved schedule)")
+    microbatch_group_size_per_vp_stage: Optional[int] = option(
+        None, "contiguous microbatches per virtual stage (default: pipeline size)",
+        flags=("--microbatch-group-size-per-virtual-pipeline-stage",))
+    overlap_p2p_comm: bool = option(
+        True, "overlap pipeline p2p with compute (upstream's default); with "
+              "--no-overlap-p2p-communication p2p calls are batched and blocking",
+        flags=("--overlap-p2p-communication",), negative=("--no-overlap-p2p-communication",))
+    overlap_p2p_comm_warmup_flush: bool = option(
+        False, "", flags=("--overlap-p2p-communication-warmup-flush",), accepted="the overlapped schedule here already posts each receive one "
+        "compute ahead in warm-up and flush too; needs the overlapped p2p (default)")
+    distributed_backend: str = option("nccl", "torch.distributed backend",
+                                      choices=("nccl", "gloo"))
+    distributed_timeout_minutes: int = option(
+        10, "timeout of collectives and p2p once training runs")
+    overlap_grad_reduce: bool = option(False, "overlap the data-parallel gradient reduction "
+                                       "with the backward pass")
+    defer_embedding_wgrad_compute: bool = option(
+        False, "on the last pipeline stage compute the output layer's weight gradients after "
+        "the pipeline flush, in a batch, instead of in each microbatch's backward")
+    wgrad_deferral_limit: int = option(
+        0, "with --defer-embedding-wgrad-compute, microbatches whose weight gradients may wait "
+        "(0: all)")
+    align_grad_reduce: bool = option(
+        True, "", negative=("--no-align-grad-reduce",),
+        accepted="each model chunk's gradient reduction starts when its backward ends")
+    ddp_bucket_size: Optional[int] = option(
+        None, "elements per gradient bucket with --overlap-grad-reduce (default max(40M, "
+        "1M x data-parallel size))")
+    ddp_average_in_collective: bool = option(
+        False, "average gradients in the data-parallel collective itself (ReduceOp.AVG) "
+        "instead of scaling them by 1/dp first")
+    overlap_param_gather: bool = option(False, "overlap the distributed optimizer's parameter "
+                                        "all-gather with the next forward pass")
+    overlap_param_gather_with_optimizer_step: bool = option(
+        False, "", accepted="the parameter all-gathers start right after the optimizer step and "
+        "are waited for by the next forward (--overlap-param-gather)")
+    align_param_gather: bool = option(
+        True, "", negative=("--no-align-param-gather",),
+        accepted="the parameter all-gathers of every model chunk start together after the step")
+    scatter_gather_tensors_in_pipeline: bool = option(
+        True, "", negative=("--no-scatter-gather-tensors-in-pipeline",),
+        accepted="pipeline tensors travel whole (with sequence parallelism they are already "
+        "sharded)")
+    use_ring_exchange_p2p: bool = unavailable(False, "needs a custom torch build; pipeline p2p "
+                                              "uses torch.distributed's isend/irecv")
+    local_rank: int = option(int(os.getenv("LOCAL_RANK", "0")),
+                             "local rank (default: $LOCAL_RANK, set by torchrun)")
+    lazy_mpu_init: Optional[bool] = unavailable(None, "process groups are always created at "
+                                                "start-up", parse=bool)
+    account_for_embedding_in_pipeline_split: bool = option(
+        False, "count the input embedding as one layer when splitting layers over pipeline "
+        "stages (the first stage holds one layer fewer)")
+    account_for_loss_in_pipeline_split: bool = option(
+        False, "count the output layer and loss as one layer when splitting layers over "
+        "pipeline stages (the last stage holds one layer fewer)")
+    use_distributed_optimizer: bool = option(False, "shard optimizer state over data parallelism")
+    num_distributed_optimizer_instances: int = option(
+        1, "with --use-distributed-optimizer, shard the optimizer state inside this many "
+        "groups of the data-parallel ranks and all-reduce gradients between the groups")
+    use_torch_fsdp2: bool = unavailable(False, "FSDP2 is not implemented; shard optimizer "
+                                        "state with --use-distributed-optimizer")
+    context_parallel_size: int = option(1, "context-parallel degree (only 1)",
+                                        refused=_CONTEXT_PARALLEL,
+                                        refuse_if=lambda value: value != 1)
+    cp_comm_type: list[str] = unavailable(["p2p"], _CONTEXT_PARALLEL, nargs="+")
+    hierarchical_context_parallel_sizes: Optional[list[int]] = unavailable(
+        None, _CONTEXT_PARALLEL, nargs="+")
+    nccl_communicator_config_path: Optional[str] = unavailable(
+        None, "per-group NCCL communicator settings are not read; use NCCL_* environment "
+        "variables")
+    use_tp_pp_dp_mapping: bool = option(
+        False, "number ranks tp, cp, pp, dp (fastest first) instead of tp, cp, dp, pp")
+    replication: bool = unavailable(False, "local checkpoints (nvidia-resiliency-ext) are not "
+                                    "implemented")
+    replication_jump: Optional[int] = unavailable(None, "local checkpoints are not implemented")
+    replication_factor: int = unavailable(2, "local checkpoints are not implemented")
+    # This tree's own.
+    distributed_startup_timeout_seconds: float = option(
+        300.0, "how long start-up waits for every rank to arrive and agree before failing "
+               "with the names of the missing or disagreeing ranks")
+    variable_seq_lengths: bool = option(
+        False, "microbatches of different lengths: one document per sample, no packing; the "
+               "pipeline sends each tensor's shape with it")
+    variable_seq_length_multiple: Optional[int] = option(
+        None, "with --variable-seq-lengths, round each microbatch's length up to a multiple of "
+              "this many tokens (default: 8 with --distributed-backend nccl, where each new "
+              "length builds its own cuDNN attention plans; 1 otherwise)")
+    p2p_timeout_seconds: Optional[float] = option(
+        None, "a pipeline p2p operation incomplete this long dumps the flight record and ends "
+              "the job (default: --distributed-timeout-minutes)")
+    p2p_dump_dir: Optional[str] = option(None, "where hung ranks write their flight records "
+                                         "(default: <--save>/p2p_hang or ./p2p_hang)")
+    p2p_debug_tags: bool = option(False, "send a tag with every pipeline message and check it "
+                                  "on arrival (turns any crossed pairing into an error)")
