@@ -326,26 +326,26 @@ def _fill_model_defaults(args: argparse.Namespace) -> None:
 
 
 _REQUIRED_FOR_TRAINING = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                          "micro_batch_size", "train_iters", "lr")
+                          "micro_batch_size", "lr")
 
 
 def validate_training_args(args: argparse.Namespace) -> None:
     """What pretraining needs on top of ``validate_args``; errors name the flags."""
     missing = [flag_name(name) for name in _REQUIRED_FOR_TRAINING if getattr(args, name) is None]
+    if args.train_iters is None and args.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
     if missing:
         raise ArgumentError(f"pretraining needs {', '.join(missing)}")
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size % per_step:
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} is not a multiple of "
-            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-            f"{args.data_parallel_size} = {per_step}")
+    _check_batch_sizes(args)
     if args.max_position_embeddings < args.seq_length and args.position_embedding_type == \
             "learned_absolute":
         raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
                             f"than --seq-length {args.seq_length}")
-    if not args.mock_data and not args.data_path:
-        raise ArgumentError("pretraining needs --data-path (or --mock-data for synthetic data)")
+    sources = (args.data_path, args.train_data_path, args.valid_data_path, args.test_data_path,
+               args.data_args_path, args.per_split_data_args_path)
+    if not args.mock_data and not any(sources):
+        raise ArgumentError("pretraining needs --data-path (or per-split data paths, or "
+                            "--mock-data for synthetic data)")
     if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):
         raise ArgumentError("pretraining needs --tokenizer-type (or --mock-data with "
                             "--vocab-size)")
@@ -354,24 +354,54 @@ def validate_training_args(args: argparse.Namespace) -> None:
     _check_learning_rate_schedule(args)
 
 
+def _check_batch_sizes(args: argparse.Namespace) -> None:
+    """Every global batch size of the run (the ramp's too) splits into whole microbatch steps,
+    unless --decrease-batch-size-if-needed rounds them down."""
+    per_step = args.micro_batch_size * args.data_parallel_size
+    batches = [args.global_batch_size]
+    if args.rampup_batch_size is not None:
+        start, increment, _ = (int(value) for value in args.rampup_batch_size)
+        if start > args.global_batch_size or (args.global_batch_size - start) % increment:
+            raise ArgumentError(
+                f"--rampup-batch-size {' '.join(args.rampup_batch_size)}: the batch size must "
+                f"reach --global-batch-size {args.global_batch_size} from {start} in steps of "
+                f"{increment}")
+        batches = list(range(start, args.global_batch_size + 1, increment))
+    for batch in batches:
+        if batch < per_step or (batch % per_step and not args.decrease_batch_size_if_needed):
+            source = ("--global-batch-size" if batch == args.global_batch_size
+                      else "a batch size of --rampup-batch-size")
+            raise ArgumentError(
+                f"{source} {batch} is not a multiple of --micro-batch-size "
+                f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = "
+                f"{per_step}" + ("" if batch < per_step else
+                                 " (--decrease-batch-size-if-needed rounds it down)"))
+
+
 def _check_learning_rate_schedule(args: argparse.Namespace) -> None:
     """The schedule the optimizer's scheduler will be built from, checked in flag names."""
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr})")
-    if args.train_iters < 1:
-        raise ArgumentError(f"--train-iters must be >= 1, got {args.train_iters}")
-    if args.lr_decay_iters is not None and args.lr_decay_iters < 1:
-        raise ArgumentError(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr")
+    unit = "samples" if args.train_samples is not None else "iters"
+    total = getattr(args, f"train_{unit}")
+    if total < 1:
+        raise ArgumentError(f"--train-{unit} must be >= 1, got {total}")
+    decay = getattr(args, f"lr_decay_{unit}")
+    if decay is not None and decay < 1:
+        raise ArgumentError(f"--lr-decay-{unit} must be >= 1, got {decay}")
     if args.lr_warmup_fraction is not None:
         if not 0 <= args.lr_warmup_fraction < 1:
             raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got "
                                 f"{args.lr_warmup_fraction}")
         return
-    decay, source = ((args.lr_decay_iters, "--lr-decay-iters") if args.lr_decay_iters
-                     else (args.train_iters, "--train-iters, as --lr-decay-iters is unset"))
-    if not 0 <= args.lr_warmup_iters < decay:
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the "
-                            f"decay iterations, {decay} ({source})")
+    decay, source = ((decay, f"--lr-decay-{unit}") if decay
+                     else (total, f"--train-{unit}, as --lr-decay-{unit} is unset"))
+    warmup = getattr(args, f"lr_warmup_{unit}")
+    if not 0 <= warmup < decay:
+        raise ArgumentError(f"--lr-warmup-{unit} {warmup} must be smaller than the decay "
+                            f"{'iterations' if unit == 'iters' else 'samples'}, {decay} ({source})")
 
 
 def agreement_items(args: argparse.Namespace) -> list[tuple[str, Any]]:

@@ -50,10 +50,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
 from megatron.core.process_groups import ParallelLayout, created_groups, planned_groups
 from megatron.training import rendezvous
 from megatron.training.arguments import (
-    agreement_items, build_parser, flag_name, parse_args, validate_args,
+    ArgumentError, agreement_items, build_parser, flag_name, parse_args, validate_args,
 )
 from megatron.training.global_vars import get_args, set_args, set_tokenizer
 
@@ -73,6 +74,13 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
     args = parse_args(extra_args_provider, ignore_unknown_args, argv)
     validate_args(args, args_defaults)
     set_args(args)
+    if args.micro_batch_size is not None:
+        try:
+            reconfigure_num_microbatches_calculator(
+                args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+                args.data_parallel_size, args.decrease_batch_size_if_needed)
+        except ValueError as error:
+            raise ArgumentError(f"--global-batch-size / --rampup-batch-size: {error}") from None
     if getattr(args, "tokenizer_type", None):
         from megatron.training.tokenizer import build_tokenizer
 

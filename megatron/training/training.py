@@ -22,6 +22,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import (
+    get_current_global_batch_size, get_current_running_global_batch_size, get_num_microbatches,
+    update_num_microbatches,
+)
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import flight_recorder, get_forward_backward_func
@@ -32,6 +36,7 @@ from megatron.core.utils import get_model_config
 from megatron.training import metrics_writers
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.arguments import ArgumentError, validate_training_args
+from megatron.training.batch_schedule import resolve_train_iters, schedule_steps, train_samples
 from megatron.training.config_builders import ddp_config_from_args, optimizer_config_from_args
 from megatron.training.data_loading import build_data_loader, cyclic_iter
 from megatron.training.flops import num_floating_point_operations
@@ -89,7 +94,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                             get_position_embedding_ranks=get_position_embedding_ranks)
         args = get_args()
         validate_training_args(args)
-        preflight_pipeline_check(args)
+        resolve_train_iters(args)
+        preflight_pipeline_check(args, get_num_microbatches())
     except (ArgumentError, StartupError, VerificationError) as error:
         # Bad input is the user's to fix: say so in one line, without a traceback.
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -127,18 +133,23 @@ def _leave_together() -> None:
     dist.destroy_process_group()
 
 
-def preflight_pipeline_check(args) -> None:
+_VERIFIED_MICROBATCH_COUNTS: set[int] = set()
+
+
+def preflight_pipeline_check(args, num_microbatches: int) -> None:
     """Refuse a pipeline layout that would cross tensors or deadlock on the job's transport,
-    before building anything: every rank's schedule, as the executor runs it, against a model
-    of gloo or NCCL (a second or two at start-up for the largest layouts)."""
-    if args.pipeline_model_parallel_size == 1:
+    before running it: every rank's schedule, as the executor runs it, against a model of gloo
+    or NCCL (a second or two at start-up for the largest layouts). A batch-size ramp-up checks
+    each new microbatch count when the ramp reaches it (the same on every rank)."""
+    if args.pipeline_model_parallel_size == 1 or num_microbatches in _VERIFIED_MICROBATCH_COUNTS:
         return
     mode = ("overlapped" if args.overlap_p2p_comm else
             "batched" if args.batch_p2p_comm else "unbatched")
     verify(Layout(args.pipeline_model_parallel_size,
-                  args.virtual_pipeline_model_parallel_size or 1, num_microbatches(args),
+                  args.virtual_pipeline_model_parallel_size or 1, num_microbatches,
                   args.variable_seq_lengths, mode, args.microbatch_group_size_per_vp_stage),
            transport=args.distributed_backend)
+    _VERIFIED_MICROBATCH_COUNTS.add(num_microbatches)
 
 
 def _start_p2p_diagnostics(args) -> None:
@@ -149,7 +160,8 @@ def _start_p2p_diagnostics(args) -> None:
         flight_recorder.start_watchdog(timeout, dump_dir)
 
 
-def num_microbatches(args) -> int:
+def eval_num_microbatches(args) -> int:
+    """Evaluation always runs whole global batches of the final size, as upstream's."""
     return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
@@ -210,17 +222,12 @@ def step_config(model: list, optimizer, timers: Timers):
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
     """Learning rate (and weight decay) per sample consumed, as upstream counts steps."""
     args = get_args()
-    decay_iters = args.lr_decay_iters or args.train_iters
-    decay_steps = decay_iters * args.global_batch_size
-    if args.lr_warmup_fraction is not None:
-        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
-    else:
-        warmup_steps = args.lr_warmup_iters * args.global_batch_size
+    steps = schedule_steps(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_warmup_steps=steps.lr_warmup_steps, lr_decay_steps=steps.lr_decay_steps,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+        end_wd=args.weight_decay, wd_incr_steps=steps.wd_incr_steps,
         wd_incr_style="constant")
 
 
@@ -236,7 +243,7 @@ def build_train_valid_test_data_iterators(provider: Callable, consumed_samples: 
     """Iterators (one per model chunk with interleaving) over train, validation and test."""
     args = get_args()
     eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    sizes = [args.train_iters * args.global_batch_size,
+    sizes = [train_samples(args),
              eval_runs * args.eval_iters * args.global_batch_size,
              args.eval_iters * args.global_batch_size]
     train_set, valid_set, test_set = provider(sizes)
@@ -296,12 +303,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     optimizer.zero_grad()
     losses_reduced = get_forward_backward_func()(
         forward_step_func=forward_step_func, data_iterator=data_iterator,
-        model=model if len(model) > 1 else model[0], num_microbatches=num_microbatches(args),
+        model=model if len(model) > 1 else model[0], num_microbatches=get_num_microbatches(),
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length, forward_only=False)
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
-        opt_param_scheduler.step(increment=args.global_batch_size)
+        opt_param_scheduler.step(increment=get_current_running_global_batch_size())
     return _average_reports(losses_reduced), int(not update_successful), grad_norm, num_zeros
 
 
@@ -313,7 +320,13 @@ def _average_reports(reports: list) -> dict[str, float]:
 
 
 class _LogState:
+    """What the log line reports: per logging interval, and the run's skipped samples."""
+
     def __init__(self):
+        self.skipped_samples = 0
+        self.reset_interval()
+
+    def reset_interval(self) -> None:
         self.totals: dict[str, float] = {}
         self.iterations = 0
         self.skipped = 0
@@ -331,11 +344,24 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     watcher = SigtermWatcher() if args.exit_signal_handler else None
     state = _LogState()
     device = _device(args)
+    update_num_microbatches(consumed_samples, consistency_check=False)
+    num_microbatches = get_num_microbatches()
     while iteration < args.train_iters:
+        update_num_microbatches(consumed_samples, verbose=True)
+        if get_num_microbatches() != num_microbatches:
+            # As upstream: a batch-size ramp step is a checkpoint (its state is in the file).
+            if args.save:
+                _checkpointing().save_checkpoint(iteration, model, optimizer,
+                                              opt_param_scheduler, consumed_samples)
+            num_microbatches = get_num_microbatches()
+            preflight_pipeline_check(args, num_microbatches)
         loss_dict, skipped, grad_norm, _ = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
         iteration += 1
-        consumed_samples += args.global_batch_size
+        consumed_samples += get_current_running_global_batch_size()
+        # Samples a batch rounded down by --decrease-batch-size-if-needed left out.
+        state.skipped_samples += (get_current_global_batch_size()
+                                  - get_current_running_global_batch_size())
         _accumulate(state, loss_dict, skipped)
         if iteration % args.log_interval == 0:
             training_log(state, iteration, consumed_samples, optimizer, grad_norm, timers, writer)
@@ -383,12 +409,14 @@ def training_log(state: _LogState, iteration: int, consumed_samples: int, optimi
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
+    if state.skipped_samples:
+        line += f" skipped samples: {state.skipped_samples:12d} |"
     line += f" elapsed time per iteration (ms): {1000 * elapsed:.1f} |"
     if args.log_throughput:
-        flops = num_floating_point_operations(args, args.global_batch_size)
+        flops = num_floating_point_operations(args, get_current_running_global_batch_size())
         line += f" throughput per GPU (TFLOP/s/GPU): {flops / (elapsed * 1e12 * args.world_size):.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
-    line += f" global batch size: {args.global_batch_size:5d} |"
+    line += f" global batch size: {get_current_running_global_batch_size():5d} |"
     counted = max(1, state.iterations - state.skipped - state.nan)
     for key, total in state.totals.items():
         line += f" {key}: {total / counted:.6E} |"
@@ -406,7 +434,7 @@ def training_log(state: _LogState, iteration: int, consumed_samples: int, optimi
         if grad_norm is not None:
             writer.add_scalar("grad-norm", float(grad_norm), iteration)
     timers.elapsed_ms(["forward-backward"])  # reset per interval
-    state.__init__()
+    state.reset_interval()
 
 
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config,
@@ -423,7 +451,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step_func, data_iterator=data_iterator,
                 model=model if len(model) > 1 else model[0],
-                num_microbatches=num_microbatches(args), seq_length=args.seq_length,
+                num_microbatches=eval_num_microbatches(args), seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
                 forward_only=True)
             for key, value in _average_reports(reports).items():

@@ -1,0 +1,89 @@
+"""How long training runs and how its schedules are measured: iterations or samples.
+
+Upstream counts a run either in iterations (``--train-iters``, ``--lr-decay-iters``,
+``--lr-warmup-iters``, ``--lr-wsd-decay-iters``) or in samples (``--train-samples``,
+``--lr-decay-samples``, ...). The learning-rate and weight-decay schedules always advance by the
+samples each iteration consumed, so iteration counts are turned into samples with the final
+global batch size, as upstream does. A batch-size ramp-up (``--rampup-batch-size``) works with
+either; with ``--train-samples`` the number of iterations is what the ramp needs to consume
+those samples, throwing away a last partial batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.num_microbatches_calculator import (
+    NumMicroBatchesCalculator, build_num_microbatches_calculator,
+)
+
+
+def calculator_from_args(args: argparse.Namespace) -> NumMicroBatchesCalculator:
+    return build_num_microbatches_calculator(
+        args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size, args.decrease_batch_size_if_needed)
+
+
+def ramp_batch_sizes(args: argparse.Namespace) -> list[int]:
+    """Every global batch size the run goes through, smallest first."""
+    if args.rampup_batch_size is None:
+        return [args.global_batch_size]
+    start, increment, _ = (int(value) for value in args.rampup_batch_size)
+    return list(range(start, args.global_batch_size + 1, increment))
+
+
+def iterations_for_samples(train_samples: int, calculator: NumMicroBatchesCalculator) -> int:
+    """Iterations that consume ``train_samples`` (upstream's count: the ramp-up phase iteration
+    by iteration, then whole batches of the final size)."""
+    ramp_samples = getattr(calculator, "ramup_samples", 0)
+    iterations = consumed = 0
+    while consumed <= ramp_samples and consumed <= train_samples and ramp_samples:
+        consumed += calculator.batch_size_at(consumed)
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // calculator.global_batch_size
+    return iterations
+
+
+def resolve_train_iters(args: argparse.Namespace) -> None:
+    """Fill ``args.train_iters`` for a run given in samples."""
+    if args.train_samples is not None:
+        args.train_iters = iterations_for_samples(args.train_samples, calculator_from_args(args))
+
+
+def train_samples(args: argparse.Namespace) -> int:
+    """Samples the training split must hold."""
+    if args.train_samples is not None:
+        return args.train_samples
+    return args.train_iters * args.global_batch_size
+
+
+@dataclass(frozen=True)
+class ScheduleSteps:
+    """The schedules' lengths in samples."""
+
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    wd_incr_steps: int
+    wsd_decay_steps: Optional[int]
+
+
+def schedule_steps(args: argparse.Namespace) -> ScheduleSteps:
+    """Upstream's schedule lengths for a run counted in iterations or in samples."""
+    if args.train_samples is not None:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+        wd_incr = args.train_samples
+        wsd = args.lr_wsd_decay_samples
+    else:
+        batch = args.global_batch_size
+        decay = (args.lr_decay_iters or args.train_iters) * batch
+        warmup = args.lr_warmup_iters * batch
+        wd_incr = args.train_iters * batch
+        wsd = args.lr_wsd_decay_iters * batch if args.lr_wsd_decay_iters is not None else None
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    return ScheduleSteps(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=wd_incr,
+                         wsd_decay_steps=wsd)
