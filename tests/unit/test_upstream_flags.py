@@ -166,3 +166,10 @@ def test_check_args_reports_flag_by_flag_and_its_exit_status_says_whether_the_ru
     inconsistent = _check("--world-size", "3", *MODEL, "--tensor-model-parallel-size", "2")
     assert inconsistent.returncode == 1
     assert "is not divisible by --tensor-model-parallel-size 2" in inconsistent.stdout
+
+
+def test_the_flag_table_in_the_docs_is_current():
+    generated = subprocess.run([sys.executable, str(REPO / "tools" / "check_args.py"), "--table"],
+                               capture_output=True, text=True, timeout=120, check=True).stdout
+    assert (REPO / "docs" / "flags.md").read_text() == generated, \
+        "docs/flags.md is stale: python tools/check_args.py --table > docs/flags.md"
