@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import stepping
 import synthetic
-from tests.launcher import free_port, nccl_rank_environment, run_processes
+from tests.launcher import nccl_rank_environment, run_processes
 from tests.upstream.upstream_harness import (
     PATCHES, apply_patch, download_and_install, unpack_wheel,
 )
@@ -95,9 +95,9 @@ def run(installed: Path, *, pipeline_size: int, num_chunks: int,
         env = {"PYTHONPATH": str(installed), "PYTHONDONTWRITEBYTECODE": "1"}
         envs = [env] * pipeline_size
         if backend == "nccl":
-            # Every rank a one-GPU host of its own on GPU 0 (tools/launch_nccl_ranks.py).
-            port = free_port()
-            envs = [{**env, **nccl_rank_environment(rank, pipeline_size, port)}
+            # Every rank a one-GPU host of its own on GPU 0 (tools/launch_nccl_ranks.py);
+            # run_processes sets the port of the store it holds.
+            envs = [{**env, **nccl_rank_environment(rank, pipeline_size, 0)}
                     for rank in range(pipeline_size)]
         outcomes = run_processes([argv] * pipeline_size, timeout_s=deadline_s,
                                  env_per_rank=envs)

@@ -18,7 +18,6 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -43,17 +42,11 @@ class _RankOutcome:
     detail: str = ""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _NCCL_TOOL = Path(__file__).resolve().parents[1] / "tools" / "launch_nccl_ranks.py"
 
 
-def nccl_rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """``rank_environment`` of ``tools/launch_nccl_ranks.py`` (a script, not a package)."""
+def launch_tool():
+    """``tools/launch_nccl_ranks.py`` as a module (a script, not a package)."""
     name = "_launch_nccl_ranks_tool"
     module = sys.modules.get(name)
     if module is None:
@@ -63,7 +56,18 @@ def nccl_rank_environment(rank: int, world_size: int, port: int) -> dict[str, st
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
-    return module.rank_environment(rank, world_size, port)
+    return module
+
+
+def free_port() -> int:
+    """A port free a moment ago, for programs that bind it themselves (torchrun as a node):
+    retry when ``launch_tool().address_in_use`` says another process took it first."""
+    return launch_tool().free_port()
+
+
+def nccl_rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """``rank_environment`` of ``tools/launch_nccl_ranks.py``."""
+    return launch_tool().rank_environment(rank, world_size, port)
 
 
 def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, env, init_pg,
@@ -75,6 +79,7 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
+        **launch_tool().AGENT_STORE_ENV,  # the store is the launcher's (see run_ranks)
     )
     if backend == "nccl":
         # A one-GPU host of its own (LOCAL_RANK=0, NCCL_HOSTID, loopback); the caller's env wins.
@@ -95,20 +100,10 @@ def _rank_main(fn, rank, world_size, port, args, timeout_s, stack_file, conn, en
 
                 torch.cuda.set_device(0)
             if init_pg:
-                try:
-                    dist.init_process_group(
-                        backend,
-                        init_method=f"tcp://127.0.0.1:{port}",
-                        rank=rank,
-                        world_size=world_size,
-                        timeout=datetime.timedelta(seconds=timeout_s),
-                    )
-                except Exception as error:
-                    # Someone took the free port between our probe and rank 0's bind.
-                    if "EADDRINUSE" in str(error):
-                        conn.send(("port", str(error).splitlines()[0]))
-                        return
-                    raise
+                timeout = datetime.timedelta(seconds=timeout_s)
+                store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+                dist.init_process_group(backend, store=store, rank=rank,
+                                        world_size=world_size, timeout=timeout)
             value = fn(rank, world_size, *args)
             if backend == "nccl":
                 import torch
@@ -151,15 +146,13 @@ def run_ranks(
 
     ``fn`` must be importable by the children (a module-level function). Returns
     the per-rank return values; raises DistributedTestFailure naming each rank
-    that failed, died or timed out, with its traceback or stack dump. A start that
-    loses its port to another process is retried with a new one.
+    that failed, died or timed out, with its traceback or stack dump. The ranks meet at a
+    store this process holds (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun), on a port
+    no parallel test can take from them.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    for attempt in range(3):
-        outcomes = _run_once(fn, world_size, args, timeout_s, env, init_process_group, backend)
-        if not any(o.status == "port" for o in outcomes.values()):
-            break
+    outcomes = _run_once(fn, world_size, args, timeout_s, env, init_process_group, backend)
     return _result(outcomes, world_size, timeout_s)
 
 
@@ -175,7 +168,8 @@ def _rank_context():
 def _run_once(fn, world_size, args, timeout_s, env, init_process_group,
               backend="gloo") -> dict[int, _RankOutcome]:
     ctx = _rank_context()
-    port = free_port()
+    store = launch_tool().host_rendezvous_store(timeout_s)
+    port = store.port
     env = dict(env or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     tmpdir = tempfile.mkdtemp(prefix="ranks-")
@@ -213,9 +207,6 @@ def _run_once(fn, world_size, args, timeout_s, env, init_process_group,
                 continue
             if status == "ok":
                 outcomes[rank] = _RankOutcome("ok", value=payload)
-            elif status == "port":
-                outcomes[rank] = _RankOutcome("port", detail=payload)
-                deadline = time.monotonic()  # the others wait for a rank 0 that is gone
             else:
                 outcomes[rank] = _RankOutcome("error", detail=payload)
                 deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
@@ -288,27 +279,33 @@ class ProcessOutcome:
 
 def run_processes(argv_per_rank: Sequence[Sequence[str]], *, world_size: int | None = None,
                   ranks: Sequence[int] | None = None, timeout_s: float = 120.0,
-                  env_per_rank: Sequence[dict[str, str]] | None = None) -> list[ProcessOutcome]:
+                  env_per_rank: Sequence[dict[str, str]] | None = None,
+                  host_store: bool = True) -> list[ProcessOutcome]:
     """Start one process per entry of ``argv_per_rank`` as ranks of one job, like a launcher.
 
     ``ranks`` (default 0..n-1) and ``world_size`` (default n) let a test leave ranks out.
-    Each process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Processes
-    still running at the deadline are killed (only these, by pid).
+    Each process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the port of
+    a store this function holds, which no ``env_per_rank`` overrides). ``host_store=False``
+    leaves hosting the store to rank 0, as a launch without torchrun does (then only a port
+    free a moment ago can be given). Processes still running at the deadline are killed
+    (only these, by pid).
     """
     import subprocess
     import sys
 
     ranks = list(ranks if ranks is not None else range(len(argv_per_rank)))
     world_size = world_size if world_size is not None else len(argv_per_rank)
-    port = free_port()
+    store = launch_tool().host_rendezvous_store(timeout_s) if host_store else None
+    port = store.port if store is not None else free_port()  # the store lives until we return
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  **(launch_tool().AGENT_STORE_ENV if host_store else {})}
     logs = tempfile.mkdtemp(prefix="procs-")
     procs, files = [], []
     start = time.monotonic()
     for index, (rank, argv) in enumerate(zip(ranks, argv_per_rank)):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               **((env_per_rank or [{}] * len(ranks))[index])}
+               **((env_per_rank or [{}] * len(ranks))[index]), **rendezvous}
         # Files, not pipes: a chatty process must never block on a pipe nobody reads yet.
         log = open(os.path.join(logs, f"rank{rank}.log"), "w+")
         files.append(log)

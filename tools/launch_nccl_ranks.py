@@ -36,9 +36,34 @@ TIMEOUT_EXIT_CODE = 124
 
 
 def free_port() -> int:
+    """A port free a moment ago: only for launchers that must hand a port to a program that
+    binds it itself (torchrun as a node); pair it with ``address_in_use`` and a retry."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Ranks connect to a store their launcher hosts, as under torchrun (torch and this tree's
+# rendezvous then never bind MASTER_PORT themselves).
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def host_rendezvous_store(timeout_s: float):
+    """A TCPStore server held by the launcher, on a port the OS assigns as it binds: nothing can
+    take the port between choosing it and listening (a probed free port can be taken by a
+    parallel test). Keep the returned store alive until the ranks are done; its ``port`` is
+    their ``MASTER_PORT``, with ``AGENT_STORE_ENV`` set."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def address_in_use(output: str) -> bool:
+    """Whether a program failed because its port was taken (torch's and the OS's wording)."""
+    return "EADDRINUSE" in output or "ddress already in use" in output
 
 
 def rank_environment(rank: int, world_size: int, master_port: int, *,
@@ -100,16 +125,34 @@ def launch(command: Sequence[str], nproc: int, *, as_nodes: bool = False,
            timeout_s: float = 600.0, grace_s: float = 30.0, log_dir: Optional[str] = None,
            echo: bool = True, extra_env: Optional[dict[str, str]] = None,
            per_rank_env: Optional[Sequence[dict[str, str]]] = None) -> list[RankOutcome]:
-    """Start ``command`` once per rank and wait for all of them (bounded); see the module doc."""
+    """Start ``command`` once per rank and wait for all of them (bounded); see the module doc.
+
+    Ranks meet at a store this launcher holds. With ``as_nodes`` the command's torchrun binds
+    the port itself, so a start that lost its port to another process is retried on a new one.
+    """
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     log_dir = log_dir or tempfile.mkdtemp(prefix="nccl-ranks-")
     os.makedirs(log_dir, exist_ok=True)
-    port = free_port()
+    if not as_nodes:
+        store = host_rendezvous_store(timeout_s)
+        return _launch_once(command, nproc, store.port, AGENT_STORE_ENV, as_nodes, timeout_s,
+                            grace_s, log_dir, echo, extra_env, per_rank_env)
+    for _ in range(3):
+        outcomes = _launch_once(command, nproc, free_port(), {}, as_nodes, timeout_s, grace_s,
+                                log_dir, echo, extra_env, per_rank_env)
+        if not any(o.returncode not in (0, None) and address_in_use(o.output())
+                   for o in outcomes):
+            break
+    return outcomes
+
+
+def _launch_once(command, nproc, port, store_env, as_nodes, timeout_s, grace_s, log_dir, echo,
+                 extra_env, per_rank_env) -> list[RankOutcome]:
     start = time.monotonic()
     procs, pumps, logs = [], [], []
     for rank in range(nproc):
-        env = {**os.environ, **(extra_env or {}),
+        env = {**os.environ, **(extra_env or {}), **store_env,
                **rank_environment(rank, nproc, port, as_nodes=as_nodes),
                **(per_rank_env[rank] if per_rank_env else {})}
         log = os.path.join(log_dir, f"rank{rank}.log")

@@ -82,7 +82,8 @@ def test_a_missing_rank_is_named_by_every_present_rank():
 
 
 def test_a_missing_store_host_is_reported_by_every_present_rank():
-    outcomes = run_processes([BASE, BASE], ranks=[1, 2], world_size=3, timeout_s=90)
+    outcomes = run_processes([BASE, BASE], ranks=[1, 2], world_size=3, timeout_s=90,
+                             host_store=False)
     for rank, outcome in zip((1, 2), outcomes):
         message = failure(outcome)
         assert f"rank {rank} could not reach the rendezvous store" in message

@@ -10,7 +10,6 @@ this module started, and the launch is reported as timed out rather than left ha
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -93,12 +92,6 @@ def apply_patch(patch_file: Path, installed: Path) -> str:
     return _run(command + [str(patch_file.resolve())], cwd=installed, env=env)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class LaunchOutcome:
     """What the ranks of one launch did, and what each finished scenario saved."""
@@ -130,7 +123,7 @@ class LaunchOutcome:
 def upstream_environment(python_path: list[Path], world_size: int) -> dict[str, str]:
     """The environment of upstream ranks: this process's, less what would steer them (Python
     paths, rendezvous, and the NVTE_* attention switches tests here may have exported, which
-    upstream's GPTModel checks), with a fresh rendezvous on 127.0.0.1."""
+    upstream's GPTModel checks); ``run_with_deadline`` adds the rendezvous."""
     env = {
         key: value for key, value in os.environ.items()
         if not key.startswith(("PYTHON", "PYTEST", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
@@ -139,8 +132,6 @@ def upstream_environment(python_path: list[Path], world_size: int) -> dict[str, 
     env.update(
         PYTHONPATH=os.pathsep.join(str(path) for path in python_path),
         PYTHONDONTWRITEBYTECODE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
@@ -150,10 +141,17 @@ def upstream_environment(python_path: list[Path], world_size: int) -> dict[str, 
 def run_with_deadline(command: list[str], rank_envs: list[dict], log_paths: list[Path], *,
                       give_up_at: float) -> list[Optional[int]]:
     """One process per environment, output to its log; exit codes, None for a process killed
-    (by the pid started here) at ``give_up_at`` (time.monotonic())."""
+    (by the pid started here) at ``give_up_at`` (time.monotonic()). The processes meet at a
+    store held here (``TORCHELASTIC_USE_AGENT_STORE``), on a port nothing else can take."""
+    from tests.launcher import launch_tool
+
+    store = launch_tool().host_rendezvous_store(max(1.0, give_up_at - time.monotonic()))
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                  **launch_tool().AGENT_STORE_ENV}
     processes: list[subprocess.Popen] = []
     try:
         for env, log_path in zip(rank_envs, log_paths):
+            env = {**env, **rendezvous}
             with open(log_path, "w") as log:
                 processes.append(subprocess.Popen(
                     command, env=env, cwd=RANK_SCRIPT.parent,
@@ -192,8 +190,9 @@ def launch(python_path: list[Path], *, pipeline_size: int, scenarios: list[str],
         from tests.gpu.nccl_support import DETERMINISTIC_ENV, launcher
 
         command += ["--backend", "nccl"]
-        rank_env = [{**DETERMINISTIC_ENV, **launcher().rank_environment(
-            rank, pipeline_size, int(env["MASTER_PORT"]))} for rank in range(pipeline_size)]
+        # run_with_deadline sets the port of the store it holds.
+        rank_env = [{**DETERMINISTIC_ENV, **launcher().rank_environment(rank, pipeline_size, 0)}
+                    for rank in range(pipeline_size)]
 
     log_paths = [out / f"rank{rank}.log" for rank in range(pipeline_size)]
     exit_codes = run_with_deadline(command, [{**env, **extra} for extra in rank_env], log_paths,
