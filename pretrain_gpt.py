@@ -31,16 +31,18 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
     if args.transformer_impl == "local":
-        spec = get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm)
     else:
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor)
 
 
 def get_batch(data_iterator):

@@ -237,6 +237,24 @@ def _check_runtime(args: argparse.Namespace) -> None:
             args.transformer_impl = "local"
 
 
+def _check_model_flags(args: argparse.Namespace) -> None:
+    activations = [flag for flag, given in (("--swiglu", args.swiglu),
+                                            ("--squared-relu", args.squared_relu),
+                                            ("--openai-gelu", args.openai_gelu)) if given]
+    if len(activations) > 1:
+        raise ArgumentError(f"{' and '.join(activations)} each choose the MLP activation; "
+                            f"give one")
+    if args.attention_backend == AttnBackend.local and args.transformer_impl != "local":
+        raise ArgumentError("--attention-backend local is the local layers' own attention; it "
+                            "needs --transformer-impl local")
+    factor = args.rotary_seq_len_interpolation_factor
+    if factor is not None and factor < 1:
+        raise ArgumentError(f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+    if args.use_rope_scaling and args.rope_scaling_factor <= 0:
+        raise ArgumentError(f"--rope-scaling-factor must be positive, got "
+                            f"{args.rope_scaling_factor}")
+
+
 def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.ckpt_format == "torch" and args.save is not None:
         raise ArgumentError("--ckpt-format torch: upstream's legacy per-rank format is written "
@@ -301,6 +319,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     _check_layout(args)
     _check_precision(args)
     _check_runtime(args)
+    _check_model_flags(args)
     _check_checkpointing(args)
     _check_schedule(args)
     _fill_model_defaults(args)

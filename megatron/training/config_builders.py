@@ -9,6 +9,18 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.activations import openai_gelu, squared_relu
+
+
+def _activation_func(args: argparse.Namespace):
+    # validate_args lets at most one of these flags through.
+    if args.swiglu:
+        return torch.nn.functional.silu
+    if args.squared_relu:
+        return squared_relu
+    if args.openai_gelu:
+        return openai_gelu
+    return torch.nn.functional.gelu
 
 
 def core_transformer_config_from_args(args: argparse.Namespace,
@@ -25,11 +37,16 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         normalization=args.normalization,
+        qk_layernorm=args.qk_layernorm,
+        rotary_interleaved=args.rotary_interleaved,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        activation_func=_activation_func(args),
+        attention_backend=args.attention_backend,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
@@ -55,6 +72,8 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         deallocate_pipeline_outputs=True,
         use_cpu_initialization=args.use_cpu_initialization,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
+        test_mode=args.test_mode,
         init_seed=args.seed,
     )
 

@@ -331,8 +331,6 @@ def test_config_derived_defaults():
 
 
 def test_unsupported_model_arguments_are_refused():
-    with pytest.raises(ValueError, match="rope_scaling=True"):
-        build_gpt(small_config(), position_embedding_type="rope", rope_scaling=True)
     with pytest.raises(ValueError, match="inference_params"):
         tokens, positions, _ = batch()
         build_gpt(small_config())(tokens, positions, None, inference_params=object())

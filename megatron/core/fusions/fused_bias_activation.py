@@ -1,7 +1,8 @@
-"""The MLP's bias add and activation (GeLU, or a gated unit such as SwiGLU) as one kernel.
+"""The MLP's bias add and activation as one kernel.
 
-Upstream's names: ``bias_gelu_impl`` and ``bias_swiglu_impl``; here one function covers any
-activation of the config, gated or not, and keeps its exact definition (GeLU stays erf-based).
+Upstream's names: ``bias_gelu_impl`` and ``bias_swiglu_impl``, and upstream fuses nothing else;
+here one function covers any activation of the config (GeLU, its tanh form, squared ReLU, a
+gated unit such as SwiGLU) and keeps its exact definition (GeLU stays erf-based).
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ The QKV projection's output is laid out per key/value group, ``[ng, (np/ng + 2) 
 group's query heads, then its key head, then its value head (megatron-core's layout, so
 checkpoints match). A column-parallel split therefore hands every tensor-parallel rank whole
 groups, and a rank's shard equals the same columns of the unsplit layer.
+
+With ``qk_layernorm`` (the layer spec's) queries and keys are normalised per head
+(``q_layernorm`` / ``k_layernorm``, upstream's parameter names). With ``config.test_mode``
+every forward then checks that those replicated norms are identical on all tensor- and
+data-parallel ranks (upstream's ``run_realtime_tests``).
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.transformer.consistency_checks import check_identical_across_ranks
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
@@ -112,7 +119,26 @@ class SelfAttention(MegatronModule):
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
             key = self.k_layernorm(key)
+        if self.config.test_mode:
+            self.run_realtime_tests()
         return query, key, value
+
+    def run_realtime_tests(self) -> None:
+        """Raise RuntimeError naming the ranks unless the q/k norms' parameters are identical
+        on every data-parallel and every tensor-parallel rank (nothing to check without
+        qk_layernorm)."""
+        if self.q_layernorm is None:
+            return
+        norms = {
+            f"layer {self.layer_number} self_attention.{norm}.{name}": param
+            for norm in ("q_layernorm", "k_layernorm")
+            for name, param in getattr(self, norm).named_parameters()
+        }
+        if parallel_state.model_parallel_is_initialized():
+            check_identical_across_ranks(
+                norms, parallel_state.get_data_parallel_group(), "data-parallel"
+            )
+        check_identical_across_ranks(norms, self.tp_group, "tensor-parallel")
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 key_value_states=None, inference_params=None, rotary_pos_emb=None,

@@ -1,4 +1,12 @@
-"""Core attention for the local backend, on ``torch.nn.functional.scaled_dot_product_attention``.
+"""Core attention for the local backend: ``scaled_dot_product_attention``, or the explicit
+path of :mod:`~megatron.core.transformer.unfused_attention`, as ``config.attention_backend`` says.
+
+``attention_backend`` (``--attention-backend``): on CUDA ``flash`` restricts SDPA to its flash
+kernel, ``fused`` to the cuDNN and memory-efficient kernels, ``local`` and ``auto`` leave the
+choice to SDPA; ``unfused`` computes scores, softmax and product as separate operations,
+everywhere, and is the only path where ``apply_query_key_layer_scaling`` and
+``attention_softmax_in_fp32`` matter (SDPA's kernels accumulate the softmax in fp32 and would
+undo the layer scaling exactly). On CPU, flash and fused run SDPA unrestricted.
 
 Masks: ``attention_mask`` follows megatron's convention, a bool tensor broadcastable to
 ``[b, heads, sq, sk]`` where True means "may not attend". None with a causal layer means
@@ -17,10 +25,18 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.unfused_attention import unfused_attention
+
+# The SDPA kernels each backend may use on CUDA; a backend missing here lets SDPA choose.
+SDPA_KERNELS = {
+    AttnBackend.flash: [SDPBackend.FLASH_ATTENTION],
+    AttnBackend.fused: [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+}
 
 
 def drop_causal_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -65,11 +81,15 @@ class DotProductAttention(MegatronModule):
             raise ValueError(f"attention_type={attention_type!r} is not supported; only 'self'")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
+        self.attention_backend = config.attention_backend
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.softmax_scale = (
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        )
+        self.layer_scaling_coeff = (
+            float(self.layer_number) if config.apply_query_key_layer_scaling else None
         )
 
     def forward(
@@ -91,10 +111,9 @@ class DotProductAttention(MegatronModule):
         groups = key.size(2)
         if heads % groups:
             raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
-        # SDPA wants [b, heads, s, d].
+        # Both paths want [b, heads, s, d].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        sdpa_mask = None if attention_mask is None else ~attention_mask
-        is_causal = attention_mask is None and mask_type in (
+        causal = attention_mask is None and mask_type in (
             AttnMaskType.causal, AttnMaskType.padding_causal
         )
         dropout_p = self.dropout_p if self.training else 0.0
@@ -104,12 +123,47 @@ class DotProductAttention(MegatronModule):
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             rng = get_cuda_rng_tracker().fork()
         with rng:
-            context = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=sdpa_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=self.softmax_scale,
-                enable_gqa=groups != heads,
-            )
+            if self.attention_backend == AttnBackend.unfused:
+                context = unfused_attention(
+                    q, k, v, attention_mask, causal=causal, softmax_scale=self.softmax_scale,
+                    layer_scaling_coeff=self.layer_scaling_coeff,
+                    softmax_in_fp32=self.config.attention_softmax_in_fp32, dropout_p=dropout_p,
+                )
+            else:
+                context = self._sdpa(q, k, v, attention_mask, causal, dropout_p)
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * head_dim)
+
+    def _sdpa(self, q, k, v, attention_mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        kernels = SDPA_KERNELS.get(self.attention_backend) if q.is_cuda else None
+        if kernels is None:
+            return self._call_sdpa(q, k, v, attention_mask, causal, dropout_p)
+        if q.size(1) != k.size(1) and q.dtype == torch.float32 and (
+            self.attention_backend == AttnBackend.fused
+        ):
+            # cuDNN runs only half precision and the memory-efficient kernel has no grouped
+            # query heads: give it one key/value head per query head.
+            repeats = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        try:
+            with sdpa_kernel(kernels):
+                return self._call_sdpa(q, k, v, attention_mask, causal, dropout_p)
+        except RuntimeError as error:
+            if "No available kernel" not in str(error):
+                raise
+            names = " or ".join(kernel.name for kernel in kernels)
+            raise RuntimeError(
+                f"attention_backend={self.attention_backend.name} (--attention-backend): SDPA "
+                f"has no {names} kernel for these inputs ({q.dtype}, head dim {q.size(-1)}, "
+                f"{'an explicit' if attention_mask is not None else 'no'} attention mask; the "
+                "flash kernel needs fp16/bf16 and no mask); use --attention-backend auto"
+            ) from None
+
+    def _call_sdpa(self, q, k, v, attention_mask, causal: bool, dropout_p: float):
+        return F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=None if attention_mask is None else ~attention_mask,
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=q.size(1) != k.size(1),
+        )

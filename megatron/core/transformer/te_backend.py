@@ -7,7 +7,9 @@ LayerNorm/RMSNorm for the final norm and q/k norms. Parameter names match megatr
 layers (``linear_qkv.layer_norm_weight`` ...), so checkpoints carry over. Tensor parallelism
 and sequence parallelism run inside TE, over the same group as the local backend. With
 ``use_cpu_initialization`` weights are filled like the local layers' (the full master weight
-drawn on the CPU, then this rank's shard), else TE initialises them on the GPU.
+drawn on the CPU, then this rank's shard), else TE initialises them on the GPU. TE's attention
+reads its kernel choice (``attention_backend``) and query-key layer scaling from NVTE_*
+environment variables, which the attention module exports from the config.
 
 Without an importable Transformer Engine every entry point raises RuntimeError naming
 ``--transformer-impl local``.
@@ -37,6 +39,7 @@ _ATTENTION_KERNEL_FLAGS = {
     AttnBackend.fused: ("0", "1", "0"),
     AttnBackend.unfused: ("0", "0", "1"),
 }
+_QK_LAYER_SCALING_VARIABLE = "NVTE_APPLY_QK_LAYER_SCALING"
 
 
 def _import_te():
@@ -74,14 +77,26 @@ def attention_backend_environment(backend: AttnBackend) -> dict[str, str]:
     return dict(zip(_ATTENTION_KERNEL_VARIABLES, _ATTENTION_KERNEL_FLAGS[backend]))
 
 
-def apply_attention_backend_environment(backend: AttnBackend) -> None:
-    """Export the variables of :func:`attention_backend_environment`; refuse contradictions."""
-    for name, value in attention_backend_environment(backend).items():
+def apply_attention_backend_environment(backend: AttnBackend,
+                                        apply_query_key_layer_scaling: bool = False) -> None:
+    """Export the variables of :func:`attention_backend_environment`, and
+    NVTE_APPLY_QK_LAYER_SCALING (TE reads query-key layer scaling only from there); refuse
+    values already set that contradict them."""
+    wanted = {
+        name: (value, f"attention_backend={backend.name} (--attention-backend)")
+        for name, value in attention_backend_environment(backend).items()
+    }
+    wanted[_QK_LAYER_SCALING_VARIABLE] = (
+        "1" if apply_query_key_layer_scaling else "0",
+        f"apply_query_key_layer_scaling={apply_query_key_layer_scaling} "
+        "(--apply-query-key-layer-scaling)",
+    )
+    for name, (value, setting) in wanted.items():
         current = os.environ.get(name)
         if current is not None and current != value:
             raise RuntimeError(
-                f"environment variable {name}={current} contradicts attention_backend="
-                f"{backend.name}, which needs {value}; unset it or change --attention-backend"
+                f"environment variable {name}={current} contradicts {setting}, which needs "
+                f"{value}; unset it or change the flag"
             )
         os.environ[name] = value
 
@@ -196,7 +211,8 @@ def _te_classes() -> SimpleNamespace:
                      tp_group=None):
             if cp_comm_type is not None:
                 raise ValueError("cp_comm_type is not supported: no context parallelism")
-            apply_attention_backend_environment(config.attention_backend)
+            apply_attention_backend_environment(config.attention_backend,
+                                                config.apply_query_key_layer_scaling)
             self.default_mask_type = attn_mask_type
             super().__init__(
                 num_attention_heads=config.num_attention_heads, kv_channels=config.kv_channels,

@@ -6,13 +6,13 @@ multi-latent attention, CUDA graphs, sliding windows, ...) are accepted only at 
 see ``UNSUPPORTED_TRANSFORMER_FEATURES``.
 
 ``bias_activation_fusion`` and ``bias_dropout_fusion`` compile those pointwise steps into single
-kernels on CUDA (megatron.core.fusions). Accepted but without effect, because they only select
-fused CUDA kernels that this tree does not ship: ``masked_softmax_fusion``,
-``persist_layer_norm``, ``memory_efficient_layer_norm``, ``disable_parameter_transpose_cache``
-(Transformer Engine only). ``apply_query_key_layer_scaling`` and ``attention_softmax_in_fp32``
-change nothing numerically either: attention runs on
-``torch.nn.functional.scaled_dot_product_attention``, whose kernels accumulate the softmax in
-fp32, and scaling the scores down by the layer number and back up again is the identity.
+kernels on CUDA (megatron.core.fusions), whatever ``activation_func`` is. ``attention_backend``
+picks the local attention's kernels (see dot_product_attention); only its ``unfused`` path
+honours ``apply_query_key_layer_scaling`` and ``attention_softmax_in_fp32``, as SDPA's kernels
+always accumulate the softmax in fp32 (where scaling the scores down by the layer number and
+back up again is the identity). Accepted but without effect, because they only select fused
+CUDA kernels that this tree does not ship: ``masked_softmax_fusion``, ``persist_layer_norm``,
+``memory_efficient_layer_norm``, ``disable_parameter_transpose_cache`` (Transformer Engine only).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
     "activation_func_fp8_input_store": _NO_FP8,
     "num_moe_experts": _NO_MOE,
     "window_size": "sliding-window attention is not implemented; attention is full causal",
-    "test_mode": "real-time consistency checks across ranks are not implemented",
     "multi_latent_attention": "multi-latent attention is not implemented",
     "apply_rope_fusion": "fused rotary kernels (apex / Transformer Engine) are not used; "
     "rotary embeddings run as plain torch operations",
@@ -129,7 +128,8 @@ class TransformerConfig(ModelParallelConfig):
     """Query heads per attention layer."""
 
     attention_backend: AttnBackend = AttnBackend.auto
-    """Kernel family for Transformer Engine attention; the local backend always uses SDPA."""
+    """Attention kernels: flash / fused restrict SDPA on CUDA (and TE), unfused runs scores,
+    softmax and product separately, local / auto let SDPA choose."""
 
     softmax_scale: Optional[float] = None
     """Multiplier of the query-key scores; None means 1/sqrt(kv_channels)."""
@@ -192,7 +192,8 @@ class TransformerConfig(ModelParallelConfig):
     """Normalise queries and keys per head; the layer spec's qk_layernorm decides for GPT."""
 
     test_mode: bool = False
-    """Run cross-rank consistency checks (unsupported)."""
+    """At every attention forward, check that the q/k norms are identical on all tensor- and
+    data-parallel ranks (RuntimeError naming the ranks otherwise)."""
 
     calculate_per_token_loss: bool = False
     """Average the loss over real tokens of the global batch (read by the schedules)."""
@@ -217,17 +218,19 @@ class TransformerConfig(ModelParallelConfig):
 
     # --- Mixed precision ---
     apply_query_key_layer_scaling: bool = False
-    """Scale scores by 1/layer_number before the softmax (no numerical effect with SDPA)."""
+    """Scale scores by 1/layer_number in the GEMM and back up in an fp32 softmax (unfused
+    attention; SDPA's kernels need no such guard)."""
 
     attention_softmax_in_fp32: bool = True
-    """Softmax in fp32 (SDPA always accumulates it in fp32)."""
+    """Mask and softmax half-precision scores in fp32 (unfused attention; SDPA's kernels always
+    accumulate the softmax in fp32)."""
 
     # --- Fusions ---
     bias_activation_fusion: bool = False
     """Fuse the MLP's bias add and activation into one kernel (CUDA)."""
 
     masked_softmax_fusion: bool = False
-    """Fuse scale, mask and softmax (accepted, no effect: SDPA fuses them)."""
+    """Fuse scale, mask and softmax (accepted, no effect: SDPA fuses them, unfused does not)."""
 
     persist_layer_norm: bool = False
     """Use apex's persistent LayerNorm kernel."""

@@ -134,9 +134,11 @@ class MixedPrecisionArgs:
         False, "the residual stream stays in the parameters' dtype")
     apply_query_key_layer_scaling: bool = option(
         False, "scale attention scores down by the layer number and back up in an fp32 softmax "
-        "(also sets --attention-softmax-in-fp32); the SDPA kernels accumulate in fp32 anyway")
-    attention_softmax_in_fp32: bool = option(False, "softmax of attention scores in fp32; the "
-                                             "SDPA kernels accumulate in fp32 anyway")
+        "(also sets --attention-softmax-in-fp32) with --attention-backend unfused; the SDPA "
+        "kernels accumulate in fp32 anyway")
+    attention_softmax_in_fp32: bool = option(False, "softmax of attention scores in fp32 with "
+                                             "--attention-backend unfused; the SDPA kernels "
+                                             "accumulate in fp32 anyway")
     accumulate_allreduce_grads_in_fp32: bool = option(False, "reduce gradients in fp32 with "
                                                       "--fp16/--bf16")
     fp16_lm_cross_entropy: bool = option(

@@ -34,7 +34,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlen
             f"rotary embedding has {rotary_dim} channels but the tensor only {t.size(-1)}"
         )
     angles = freqs[: t.size(0)]
-    cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+    # The angles live on the GPU whenever there is one; a CPU model (tests) takes a copy.
+    cos, sin = (a.to(t.device, t.dtype) for a in (angles.cos(), angles.sin()))
     rotated, passed = t[..., :rotary_dim], t[..., rotary_dim:]
     rotated = rotated * cos + _rotate_pairs(rotated, config.rotary_interleaved) * sin
     return torch.cat((rotated, passed), dim=-1) if passed.numel() else rotated

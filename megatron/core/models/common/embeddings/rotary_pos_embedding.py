@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -18,7 +19,9 @@ class RotaryEmbedding(torch.nn.Module):
     ``forward(max_seq_len, offset)`` returns them as ``[max_seq_len, 1, 1, r]`` in the channel
     layout that :func:`apply_rotary_pos_emb` expects for ``rotary_interleaved``. With
     ``seq_len_interpolation_factor`` positions are divided by it (linear position
-    interpolation for sequences longer than seen in training).
+    interpolation for sequences longer than seen in training). With ``rope_scaling`` the
+    frequencies are rescaled as Llama 3.1 does (:meth:`_apply_scaling`, ``rope_scaling_factor``
+    for the slowest ones).
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
@@ -26,11 +29,6 @@ class RotaryEmbedding(torch.nn.Module):
                  rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
                  use_cpu_initialization: bool = False) -> None:
         super().__init__()
-        if rope_scaling:
-            raise ValueError(
-                "rope_scaling=True (Llama 3.x frequency scaling) is not supported by this tree; "
-                "leave it False"
-            )
         if not 0.0 < rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must lie in (0, 1], got {rotary_percent}")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
@@ -52,6 +50,27 @@ class RotaryEmbedding(torch.nn.Module):
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         # A plain attribute, not a buffer: it must stay fp32 when the model is cast to half.
         self.inv_freq = rotary_base ** (-exponents)
+        if rope_scaling:
+            self.inv_freq = self._apply_scaling(self.inv_freq, factor=rope_scaling_factor)
+
+    @staticmethod
+    def _apply_scaling(freqs: torch.Tensor, factor: float = 8.0, low_freq_factor: float = 1.0,
+                       high_freq_factor: float = 4.0,
+                       original_max_position_embeddings: int = 8192) -> torch.Tensor:
+        """Llama 3.1's frequency scaling for a longer context.
+
+        A frequency whose wavelength fits more than ``high_freq_factor`` times into the original
+        context is kept, one that fits fewer than ``low_freq_factor`` times is divided by
+        ``factor``, and in between the two results are blended linearly in that count.
+        """
+        if factor <= 0:
+            raise ValueError(f"rope_scaling_factor must be positive, got {factor}")
+        if high_freq_factor <= low_freq_factor:
+            raise ValueError("high_freq_factor must exceed low_freq_factor")
+        wavelengths_in_context = original_max_position_embeddings * freqs / (2 * math.pi)
+        keep = ((wavelengths_in_context - low_freq_factor)
+                / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+        return keep * freqs + (1.0 - keep) * freqs / factor
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         if packed_seq:
