@@ -21,7 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.training import get_args, get_tokenizer
 from megatron.training.config_builders import core_transformer_config_from_args
 from megatron.training.training import pretrain
-from megatron.training.utils import average_losses_across_data_parallel_group, print_rank_0
+from megatron.training.utils import print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
@@ -57,12 +57,18 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean loss over the tokens that count; the report is averaged over data parallelism."""
+    """The loss over the tokens that count: their mean, or with --calculate-per-token-loss their
+    sum and count (the schedule then divides by the global batch's tokens). The report is the
+    sum and count, as upstream's, so the logged loss is the mean over the global batch's
+    tokens."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    reported = average_losses_across_data_parallel_group([loss])
-    return loss, {"lm loss": reported[0]}
+    loss_sum = torch.sum(losses * mask)
+    count = mask.sum()
+    report = {"lm loss": torch.stack([loss_sum.detach(), count])}
+    if get_args().calculate_per_token_loss:
+        return loss_sum, count.to(torch.int), report
+    return loss_sum / count.clamp(min=1.0), report
 
 
 def forward_step(data_iterator, model: GPTModel):

@@ -75,6 +75,7 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
         test_mode=args.test_mode,
         init_seed=args.seed,
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
 
 
