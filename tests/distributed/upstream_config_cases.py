@@ -1,0 +1,118 @@
+"""Upstream Megatron-LM's own GPT CI configurations, scaled down to run in seconds.
+
+A configuration (tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl) keeps every flag it sets
+-- parallel layout, precision, schedule, logging, checkpoint format, model features -- except
+the sizes, the paths and the backend: the model shrinks to hidden 64, 4 heads and sequences of
+64 tokens, iterations to 2, the data to the quickstart corpus and its SentencePiece tokenizer,
+the data-parallel size to at most 2 (the number of microbatches per iteration and the batch
+ramp-up keep their shape), and tensor parallelism to at most 4.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIGS = {config["name"]: config for config in map(
+    json.loads, (Path(__file__).resolve().parents[1] / "data" / "upstream_core_v0_11"
+                 / "gpt_ci_configs.jsonl").open())}
+
+# What runs here: (configuration, flags added to it, why the flags).
+REPRESENTATIVE = {
+    "tp1_pp4_vp1_dist_opt_overlap": (
+        "gpt3_mr_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather_"
+        "dgx_a100_1N8G", ()),
+    "tp2_pp2_sequence_parallel": (
+        "gpt3_mr_mcore_te_tp2_pp2_dgx_a100_1N8G", ("--sequence-parallel",)),
+    "tp1_pp4_uneven_first_last": ("gpt3_mr_mcore_te_tp1_pp4_vp1_uneven_pipeline_dgx_a100_1N8G",
+                                  ()),
+    "tp1_pp4_vp2_account_for_embedding_and_loss": (
+        "gpt3_mr_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split_"
+        "dgx_a100_1N8G", ()),
+    "tp1_pp4_vp1_decoupled_lr": ("gpt3_mr_mcore_te_tp1_pp4_vp1_decoupled_lr_dgx_a100_1N8G", ()),
+    "tp1_pp4_vp1_per_token_loss": (
+        "gpt3_mr_mcore_te_tp1_pp4_vp1_calculate_per_token_loss_dgx_a100_1N8G", ()),
+    "tp4_pp1_qk_layernorm_test_mode": (
+        "gpt3_mr_mcore_te_tp4_pp1_qk_layernorm_test_mode_dgx_a100_1N8G", ()),
+    "tp1_pp2_rope_interleaved_no_fusion": (
+        "gpt3_mr_mcore_te_tp1_pp2_rope_embeddings_interleaved_no_fusion_dgx_a100_1N8G", ()),
+    "tp1_pp4_vp1_tunable_overlap": ("gpt3_mr_mcore_te_tp1_pp4_vp1_tunable_overlap_dgx_a100_1N8G",
+                                    ()),
+    "15b_release_rampup_samples": ("gpt3_15b_8t_release_sm", ()),
+}
+
+# Flags whose values are paths, sizes or the machine's; replaced below.
+_REPLACED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-type",
+             "--tokenizer-model", "--data-cache-path", "--save", "--load", "--tensorboard-dir",
+             "--wandb-project", "--wandb-exp-name", "--distributed-backend", "--num-workers",
+             "--hidden-size", "--num-attention-heads", "--num-query-groups", "--seq-length",
+             "--max-position-embeddings", "--micro-batch-size", "--global-batch-size",
+             "--train-iters", "--train-samples", "--eval-iters", "--eval-interval",
+             "--save-interval", "--log-interval", "--tensor-model-parallel-size",
+             "--rampup-batch-size", "--num-layers", "--lr-warmup-samples", "--lr-decay-samples",
+             "--distributed-timeout-minutes"}
+_WORLD = 8  # every configuration is one node of 8 GPUs
+
+
+@dataclass(frozen=True)
+class ScaledRun:
+    argv: list[str]
+    world_size: int
+    env: dict[str, str]
+
+
+def _split(argv: list[str]) -> dict[str, list[str]]:
+    """``--flag v1 v2 --switch`` -> {"--flag": ["v1", "v2"], "--switch": []}."""
+    flags: dict[str, list[str]] = {}
+    current = None
+    for word in argv:
+        if word.startswith("--"):
+            current = word
+            flags[current] = []
+        else:
+            flags[current].append(word)
+    return flags
+
+
+def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
+                backend: str = "gloo") -> ScaledRun:
+    config = CONFIGS[name]
+    flags = _split(config["argv"])
+    value = lambda flag, default: int(flags.get(flag, [default])[0])  # noqa: E731
+    tp, pp = value("--tensor-model-parallel-size", 1), value("--pipeline-model-parallel-size", 1)
+    dp = _WORLD // (tp * pp)
+    micro = value("--micro-batch-size", 1)
+    microbatches = min(8, value("--global-batch-size", micro * dp) // (micro * dp))
+    instances = value("--num-distributed-optimizer-instances", 1)
+    new_tp, new_dp = min(tp, 4), max(min(dp, 2), instances)
+    layers = value("--num-layers", 4)
+    argv = [word for flag, values in flags.items() if flag not in _REPLACED
+            for word in (flag, *values)]
+    argv += [
+        "--tensor-model-parallel-size", str(new_tp), "--num-layers", str(layers if layers <= 12
+                                                                        else 4),
+        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "1",
+        "--global-batch-size", str(microbatches * new_dp), "--eval-iters", "1",
+        "--eval-interval", "1000", "--save-interval", "1000", "--log-interval", "1",
+        "--distributed-timeout-minutes", "5",
+        "--data-path", str(data / "corpus_text_document"), "--tokenizer-type", "Llama2Tokenizer",
+        "--tokenizer-model", str(data / "tokenizer.model"),
+        "--data-cache-path", str(out / "cache"), "--save", str(out / "ckpt"),
+        "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb"),
+        "--distributed-backend", backend, "--num-workers", "0", *extra]
+    if "--num-query-groups" in flags:
+        argv += ["--num-query-groups", str(new_tp)]
+    if "--rampup-batch-size" in flags:
+        # The ramp keeps its shape: a third of the batch first, full after a few iterations.
+        step = microbatches * new_dp // 3
+        argv += ["--rampup-batch-size", str(step), str(step), str(4 * step)]
+    if "--train-samples" in flags:
+        argv += ["--train-samples", str(4 * microbatches * new_dp)]
+        if "--lr-warmup-samples" in flags:
+            argv += ["--lr-warmup-samples", "2"]
+    else:
+        argv += ["--train-iters", "2"]
+    env = dict(config["env"]) if backend == "nccl" else {}
+    return ScaledRun(argv, new_tp * pp * new_dp, env)
