@@ -65,6 +65,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     mask = loss_mask.view(-1).float()
     loss_sum = torch.sum(losses * mask)
     count = mask.sum()
+    if get_args().check_for_nan_in_loss_and_grad and torch.isnan(loss_sum).item():
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        raise RuntimeError(
+            f"rank {rank}: NaN in its local loss, before the data-parallel reduction (look at "
+            f"the batch it read and at the learning rate; --no-check-for-nan-in-loss-and-grad "
+            f"turns the check off)")
     report = {"lm loss": torch.stack([loss_sum.detach(), count])}
     if get_args().calculate_per_token_loss:
         return loss_sum, count.to(torch.int), report

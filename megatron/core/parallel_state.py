@@ -12,8 +12,8 @@ Deviations from upstream worth knowing:
 * Sizes and ranks are answered from the layout arithmetic (identical to what
   torch reports for the groups) instead of querying torch.distributed.
 * Expert parallelism, the encoder/decoder split, SHARP, NCCL communicator
-  configs, custom embedding-rank callables and partial distributed optimizers
-  are not supported; asking for them raises ValueError.
+  configs and custom embedding-rank callables are not supported; asking for
+  them raises ValueError.
 * ``destroy_model_parallel`` also clears the ``set_data_parallel_rank``
   override and the group-creation log.
 * The pipeline next/prev/last-rank getters come from real group membership and
@@ -113,7 +113,6 @@ def initialize_model_parallel(
         # An empty list means no hierarchy, as upstream.
         hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes or None, None),
         expert_model_parallel_size=(expert_model_parallel_size, 1),
-        num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
         nccl_communicator_config_path=(nccl_communicator_config_path, None),
         encoder_tensor_model_parallel_size=(encoder_tensor_model_parallel_size, 0),
         # Upstream treats None like 0 here.
@@ -139,6 +138,7 @@ def initialize_model_parallel(
         context_parallel_size=context_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         order=order,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
     initialize_model_parallel_from_layout(
         layout, timeout=datetime.timedelta(minutes=distributed_timeout_minutes)
@@ -228,8 +228,7 @@ def get_pipeline_model_parallel_group() -> Any:
 
 
 def _check_partial(partial_data_parallel: bool, with_context_parallel: bool) -> None:
-    # With a single distributed-optimizer instance the "partial" data-parallel
-    # group is the whole data-and-context group, as upstream; it must include cp.
+    # As upstream: the partial data-parallel group always includes context parallelism.
     if partial_data_parallel and not with_context_parallel:
         raise ValueError(
             "partial_data_parallel=True requires with_context_parallel=True "
@@ -240,8 +239,12 @@ def _check_partial(partial_data_parallel: bool, with_context_parallel: bool) -> 
 def get_data_parallel_group(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> Any:
+    """The data(+context)-parallel group; ``partial_data_parallel``: only this rank's
+    distributed-optimizer instance of it (the whole group with one instance)."""
     _check_partial(partial_data_parallel, with_context_parallel)
     groups = _groups("get_data_parallel_group")
+    if partial_data_parallel and groups.intra_dp_cp is not None:
+        return groups.intra_dp_cp
     return groups.dp_cp if with_context_parallel else groups.dp
 
 
@@ -250,13 +253,37 @@ def get_data_parallel_group_gloo(
 ) -> Any:
     _check_partial(partial_data_parallel, with_context_parallel)
     groups = _groups("get_data_parallel_group_gloo")
-    group = groups.dp_cp_gloo if with_context_parallel else groups.dp_gloo
+    if partial_data_parallel and groups.intra_dp_cp is not None:
+        group = groups.intra_dp_cp_gloo
+    else:
+        group = groups.dp_cp_gloo if with_context_parallel else groups.dp_gloo
     if group is None:
         raise RuntimeError(
             "the gloo data-parallel groups were not created "
             "(initialize_model_parallel_from_layout was called with gloo_data_parallel=False)"
         )
     return group
+
+
+def get_inter_partial_data_parallel_group() -> Any:
+    """The ranks at this rank's place in every distributed-optimizer instance (they
+    all-reduce the gradients of the shard they own); only with several instances."""
+    groups = _groups("get_inter_partial_data_parallel_group")
+    if groups.inter_dp_cp is None:
+        raise RuntimeError(
+            "there is no inter-instance data-parallel group with one distributed-optimizer "
+            "instance; pass num_distributed_optimizer_instances > 1 to "
+            "initialize_model_parallel()"
+        )
+    return groups.inter_dp_cp
+
+
+def get_intra_distributed_optimizer_instance_group() -> Any:
+    """Every rank of this rank's distributed-optimizer instance, over all model-parallel
+    ranks: the ranks that together hold one whole optimizer state (the world with one
+    instance, as torch's default group)."""
+    groups = _groups("get_intra_distributed_optimizer_instance_group")
+    return groups.intra_instance if groups.intra_instance is not None else dist.group.WORLD
 
 
 def get_context_parallel_group(check_initialized: bool = True) -> Any:
@@ -425,7 +452,10 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 # ------------------------------------------------------------------ data / context
 
 
-def _data_parallel_ranks(groups: ProcessGroups, with_context_parallel: bool) -> tuple[int, ...]:
+def _data_parallel_ranks(groups: ProcessGroups, with_context_parallel: bool,
+                         partial_data_parallel: bool = False) -> tuple[int, ...]:
+    if partial_data_parallel and groups.intra_dp_cp_ranks is not None:
+        return groups.intra_dp_cp_ranks
     return groups.dp_cp_ranks if with_context_parallel else groups.dp_ranks
 
 
@@ -441,7 +471,7 @@ def get_data_parallel_world_size(
     groups = _groups_unless_no_distributed("get_data_parallel_world_size")
     if groups is None:
         return 0
-    return len(_data_parallel_ranks(groups, with_context_parallel))
+    return len(_data_parallel_ranks(groups, with_context_parallel, partial_data_parallel))
 
 
 def set_data_parallel_rank(rank: int | None) -> None:
@@ -457,7 +487,8 @@ def get_data_parallel_rank(
     groups = _groups_unless_no_distributed("get_data_parallel_rank")
     if groups is None:
         return 0
-    return _data_parallel_ranks(groups, with_context_parallel).index(groups.rank)
+    ranks = _data_parallel_ranks(groups, with_context_parallel, partial_data_parallel)
+    return ranks.index(groups.rank)
 
 
 def get_context_parallel_world_size() -> int:

@@ -9,6 +9,12 @@ calling rank is a member of as one :class:`ProcessGroups` object, which is
 then passed around explicitly. With NCCL it also creates the pipeline group's communicator
 there, while every rank is present (see :func:`build_process_groups`).
 
+With several distributed-optimizer instances (upstream's partial distributed optimizer) each
+data(+context)-parallel group is cut into that many consecutive runs of ranks: the optimizer
+state is sharded inside a run ("intra" groups), gradients are all-reduced between the runs
+("inter" groups, members at the same place in each run), and the ranks of one instance across
+all model-parallel ranks form the group over which gradient statistics are combined.
+
 Rank numbering matches upstream Megatron-LM: the ``order`` string lists the
 parallel dimensions from the fastest-varying to the slowest-varying one, so
 with the default ``"tp-cp-ep-dp-pp"`` neighbouring ranks share a tensor
@@ -46,7 +52,13 @@ _KIND_DIMENSIONS: dict[str, frozenset[str]] = {
 
 # Gloo twins of data-parallel groups (for CPU-side collectives such as
 # checkpoint gathering), keyed by the kind whose rank lists they reuse.
-GLOO_TWINS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp"}
+GLOO_TWINS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp",
+                              "intra_dp_cp_gloo": "intra_dp_cp"}
+
+# The partial distributed optimizer's kinds, created (after all others) only when there is
+# more than one instance; with one instance they are the dp_cp groups and the whole world.
+PARTIAL_OPTIMIZER_KINDS: tuple[str, ...] = (
+    "intra_dp_cp", "intra_dp_cp_gloo", "inter_dp_cp", "intra_instance")
 
 # The fixed order in which build_process_groups creates the kinds. Every rank
 # must create every group in the same sequence, so this order is part of the
@@ -127,6 +139,7 @@ class ParallelLayout:
     context_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     order: str = "tp-cp-ep-dp-pp"
+    num_distributed_optimizer_instances: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -134,6 +147,7 @@ class ParallelLayout:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "num_distributed_optimizer_instances",
         ):
             _check_positive_int(name, getattr(self, name))
         virtual = self.virtual_pipeline_model_parallel_size
@@ -160,6 +174,13 @@ class ParallelLayout:
                 f"the data-parallel size would not be a whole number"
             )
         _parse_order(self.order)
+        instances = self.num_distributed_optimizer_instances
+        replicas = self.data_parallel_size * self.context_parallel_size
+        if replicas % instances:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={instances} must divide the "
+                f"data-parallel x context-parallel size ({replicas})"
+            )
 
     @property
     def data_parallel_size(self) -> int:
@@ -253,24 +274,62 @@ class ParallelLayout:
         """Per pipeline: the stage holding position embeddings (the first)."""
         return [[stages[0]] for stages in self.pipeline_parallel_ranks()]
 
+    def intra_instance_data_parallel_ranks(self) -> list[list[int]]:
+        """Each data(+context)-parallel group cut into one run of consecutive members per
+        distributed-optimizer instance: the ranks that shard one optimizer state."""
+        size = self.data_parallel_size * self.context_parallel_size
+        run = size // self.num_distributed_optimizer_instances
+        return [group[start:start + run]
+                for group in self.data_parallel_ranks(with_context_parallel=True)
+                for start in range(0, size, run)]
+
+    def inter_instance_data_parallel_ranks(self) -> list[list[int]]:
+        """The members at the same place of every instance's run: they all-reduce gradients."""
+        size = self.data_parallel_size * self.context_parallel_size
+        run = size // self.num_distributed_optimizer_instances
+        return [group[offset::run]
+                for group in self.data_parallel_ranks(with_context_parallel=True)
+                for offset in range(run)]
+
+    def distributed_optimizer_instance_ranks(self) -> list[list[int]]:
+        """Per instance, its ranks of every model-parallel rank (one optimizer's whole state)."""
+        instances = self.num_distributed_optimizer_instances
+        runs = self.intra_instance_data_parallel_ranks()
+        return [sorted(r for run in runs[index::instances] for r in run)
+                for index in range(instances)]
+
     # ---------------------------------------------------------- group kinds
 
     @staticmethod
     def group_kinds(gloo_data_parallel: bool = True) -> tuple[str, ...]:
-        """Every group kind, in the order build_process_groups creates them."""
+        """Every group kind of one optimizer instance, in the order they are created."""
         if gloo_data_parallel:
             return _CREATION_ORDER
         return tuple(kind for kind in _CREATION_ORDER if kind not in GLOO_TWINS)
 
+    def kinds_to_create(self, gloo_data_parallel: bool = True) -> tuple[str, ...]:
+        """The kinds build_process_groups creates for this layout, in creation order."""
+        kinds = self.group_kinds(gloo_data_parallel)
+        if self.num_distributed_optimizer_instances > 1:
+            kinds += tuple(kind for kind in PARTIAL_OPTIMIZER_KINDS
+                           if gloo_data_parallel or kind not in GLOO_TWINS)
+        return kinds
+
     def rank_groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (one of :meth:`group_kinds`), as global rank lists."""
+        """Every group of ``kind`` (one of :meth:`kinds_to_create`), as global rank lists."""
         kind = GLOO_TWINS.get(kind, kind)
-        if kind == "embedding":
-            return self.embedding_ranks()
-        if kind == "position_embedding":
-            return self.position_embedding_ranks()
+        special = {
+            "embedding": self.embedding_ranks,
+            "position_embedding": self.position_embedding_ranks,
+            "intra_dp_cp": self.intra_instance_data_parallel_ranks,
+            "inter_dp_cp": self.inter_instance_data_parallel_ranks,
+            "intra_instance": self.distributed_optimizer_instance_ranks,
+        }
+        if kind in special:
+            return special[kind]()
         if kind not in _KIND_DIMENSIONS:
-            raise ValueError(f"unknown group kind {kind!r}; expected one of {_CREATION_ORDER}")
+            raise ValueError(f"unknown group kind {kind!r}; expected one of "
+                             f"{_CREATION_ORDER + PARTIAL_OPTIMIZER_KINDS}")
         return self._spanning(_KIND_DIMENSIONS[kind])
 
 
@@ -334,7 +393,10 @@ class ProcessGroups:
     ``embedding``/``embedding_ranks`` and ``position_embedding``/
     ``position_embedding_ranks`` are None on ranks that hold no such
     embedding; ``dp_gloo``/``dp_cp_gloo`` are None when gloo twins were not
-    requested.
+    requested. The partial distributed optimizer's groups (``intra_dp_cp``,
+    ``inter_dp_cp``, ``intra_instance`` and the gloo twin) are None with one
+    instance: then the first is ``dp_cp``, the second has this rank alone and the
+    last is the whole world.
     """
 
     layout: ParallelLayout
@@ -363,6 +425,13 @@ class ProcessGroups:
     position_embedding_ranks: tuple[int, ...] | None
     dp_gloo: Any | None
     dp_cp_gloo: Any | None
+    intra_dp_cp: Any | None = None
+    intra_dp_cp_ranks: tuple[int, ...] | None = None
+    intra_dp_cp_gloo: Any | None = None
+    inter_dp_cp: Any | None = None
+    inter_dp_cp_ranks: tuple[int, ...] | None = None
+    intra_instance: Any | None = None
+    intra_instance_ranks: tuple[int, ...] | None = None
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -391,7 +460,7 @@ class ProcessGroups:
     def held_groups(self) -> list[Any]:
         """Every distinct group object this rank holds (for teardown)."""
         held = []
-        for kind in _CREATION_ORDER:
+        for kind in _CREATION_ORDER + PARTIAL_OPTIMIZER_KINDS:
             group = getattr(self, kind)
             if group is not None and all(group is not other for other in held):
                 held.append(group)
@@ -407,7 +476,7 @@ def planned_groups(layout: ParallelLayout, *, backend: str | None = None,
     """
     return [
         CreatedGroup(kind, tuple(ranks), "gloo" if kind in GLOO_TWINS else backend)
-        for kind in layout.group_kinds(gloo_data_parallel)
+        for kind in layout.kinds_to_create(gloo_data_parallel)
         for ranks in layout.rank_groups(kind)
     ]
 
@@ -464,6 +533,9 @@ def build_process_groups(
         position_embedding_ranks=ranks_of("position_embedding"),
         dp_gloo=group_of("dp_gloo"),
         dp_cp_gloo=group_of("dp_cp_gloo"),
+        **{kind: group_of(kind) for kind in PARTIAL_OPTIMIZER_KINDS},
+        **{f"{kind}_ranks": ranks_of(kind) for kind in PARTIAL_OPTIMIZER_KINDS
+           if kind not in GLOO_TWINS},
     )
 
 

@@ -164,6 +164,15 @@ def _check_layout(args: argparse.Namespace) -> None:
                                           and args.overlap_grad_reduce):
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer and "
                             "--overlap-grad-reduce")
+    if args.overlap_param_gather_with_optimizer_step and not args.overlap_param_gather:
+        raise ArgumentError("--overlap-param-gather-with-optimizer-step needs "
+                            "--overlap-param-gather")
+    if args.virtual_pipeline_model_parallel_size is None:
+        # As upstream: only the interleaved schedule launches aligned all-gathers.
+        args.align_param_gather = False
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ArgumentError(f"--ddp-bucket-size must be >= 1 (elements), got "
+                            f"{args.ddp_bucket_size}")
     if args.defer_embedding_wgrad_compute and args.wgrad_deferral_limit < 0:
         raise ArgumentError(f"--wgrad-deferral-limit must be >= 0, got "
                             f"{args.wgrad_deferral_limit}")

@@ -80,6 +80,9 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     partial = final + ".partial"
     first = not dist.is_initialized() or dist.get_rank() == 0
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
+    for chunk in model:  # --overlap-param-gather leaves the last step's all-gathers to come
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
     # Each step ends with the ranks agreeing it succeeded everywhere, so a rank whose write
     # failed never leaves the others waiting in the next step's collectives.
     steps = (

@@ -82,6 +82,7 @@ def core_transformer_config_from_args(args: argparse.Namespace,
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
     return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay, fp16=args.fp16, bf16=args.bf16,
         params_dtype=args.params_dtype, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
@@ -89,6 +90,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
         clip_grad=args.clip_grad)
 
 
@@ -97,4 +99,9 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        align_param_gather=args.align_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective)

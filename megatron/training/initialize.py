@@ -121,7 +121,8 @@ def _layout(args) -> ParallelLayout:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp")
+        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
 
 
 def _startup_items(args, layout: ParallelLayout) -> list[tuple[str, Any]]:

@@ -214,9 +214,21 @@ def step_config(model: list, optimizer, timers: Timers):
     config.no_sync_func = [chunk.no_sync for chunk in model]
     if len(model) == 1:
         config.no_sync_func = config.no_sync_func[0]
+    if get_args().overlap_param_gather and get_args().align_param_gather:
+        # Before a chunk's first forward, launch its all-gathers and the next chunk's, which
+        # then arrive while this one computes (upstream's interleaved schedule does the same).
+        config.param_sync_func = [_start_param_sync_of(model[index:index + 2])
+                                  for index in range(len(model))]
     if get_args().fp16:
         config.grad_scale_func = optimizer.scale_loss
     return config
+
+
+def _start_param_sync_of(chunks: list) -> Callable:
+    def start(parameters=None) -> None:
+        for chunk in chunks:
+            chunk.start_param_sync()
+    return start
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
@@ -417,7 +429,13 @@ def training_log(state: _LogState, iteration: int, consumed_samples: int, optimi
     """Upstream's log line, printed by the last rank."""
     args = get_args()
     elapsed = (time.perf_counter() - state.started) / state.iterations
-    learning_rate = optimizer.param_groups[0]["lr"]
+    # As upstream: the input embedding's and output layer's groups with --decoupled-lr.
+    learning_rate = decoupled_learning_rate = None
+    for group in optimizer.param_groups:
+        if group.get("is_decoupled_lr"):
+            decoupled_learning_rate = group["lr"]
+        else:
+            learning_rate = group["lr"]
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
@@ -428,6 +446,8 @@ def training_log(state: _LogState, iteration: int, consumed_samples: int, optimi
         flops = num_floating_point_operations(args, get_current_running_global_batch_size())
         line += f" throughput per GPU (TFLOP/s/GPU): {flops / (elapsed * 1e12 * args.world_size):.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
+    if decoupled_learning_rate is not None:
+        line += f" decoupled learning rate: {decoupled_learning_rate:.6E} |"
     line += f" global batch size: {get_current_running_global_batch_size():5d} |"
     counted = max(1, state.iterations - state.skipped - state.nan)
     for key, total in state.totals.items():
@@ -440,6 +460,8 @@ def training_log(state: _LogState, iteration: int, consumed_samples: int, optimi
     print_rank_last(line)
     if writer is not None:
         writer.add_scalar("learning-rate", learning_rate, iteration)
+        if decoupled_learning_rate is not None:
+            writer.add_scalar("decoupled-learning-rate", decoupled_learning_rate, iteration)
         writer.add_scalar("iteration-time", elapsed, iteration)
         for key, total in state.totals.items():
             writer.add_scalar(key, total / counted, iteration)

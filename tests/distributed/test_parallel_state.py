@@ -40,7 +40,6 @@ UNSUPPORTED = [
     dict(use_sharp=True),
     dict(hierarchical_context_parallel_sizes=[2]),
     dict(expert_model_parallel_size=2),
-    dict(num_distributed_optimizer_instances=2),
     dict(expert_tensor_parallel_size=2),
     dict(nccl_communicator_config_path="nccl.yaml"),
     dict(encoder_tensor_model_parallel_size=1),

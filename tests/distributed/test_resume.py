@@ -8,7 +8,11 @@ is bit-identical, and a run resumed at another layout continues with the losses 
 uninterrupted run (fp32; the tolerance is for the other reduction order of another layout). A
 ``--ckpt-format torch_dist`` save (upstream's format, optimizer state in its plain optimizers'
 layout) resumes so too, and the flat Adam (``--use-precision-aware-optimizer``) trains, stops at
-``--exit-interval`` and resumes as the default does.
+``--exit-interval`` and resumes as the default does. With ``--overlap-param-gather`` the losses
+are those of the all-gather after the step, and a checkpoint saved while the all-gathers wait
+for the next forward pass resumes bit for bit; with two distributed-optimizer instances
+(``--num-distributed-optimizer-instances 2``) the saved optimizer state is the whole one, and
+resuming, also from ``torch_dist``, continues the run.
 """
 
 import pytest
@@ -27,7 +31,14 @@ LAYOUTS = {
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
     "tp2-dp2-distributed-optimizer": (4, ["--tensor-model-parallel-size", "2",
                                           "--use-distributed-optimizer"]),
+    "dp4-two-optimizer-instances": (4, ["--use-distributed-optimizer",
+                                        "--num-distributed-optimizer-instances", "2"]),
+    "dp4-distributed-optimizer-one-instance": (4, ["--use-distributed-optimizer"]),
+    "dp2-pp2-vpp2-distributed-optimizer": (4, [*PP2_VPP2, "--use-distributed-optimizer",
+                                               "--overlap-grad-reduce",
+                                               "--ddp-bucket-size", "20000"]),
 }
+OVERLAP_PARAM_GATHER = ["--overlap-param-gather"]
 CROSS_LAYOUT_TOLERANCE = 1e-5
 
 
@@ -127,3 +138,47 @@ def test_flat_adam_trains_and_resumes_like_the_default_optimizer(data, tmp_path)
     resumed = _train(data, layout, 6, *flat, "--load", str(tmp_path))
     assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
     assert {**first, **resumed} == default
+
+
+def test_overlapped_parameter_gather_trains_and_resumes_bit_for_bit(data, tmp_path):
+    layout = "dp2-pp2-vpp2-distributed-optimizer"
+    plain = _train(data, layout, 6)
+    overlapped = _train(data, layout, 6, *OVERLAP_PARAM_GATHER, "--save", str(tmp_path),
+                        "--save-interval", "3")
+    assert overlapped == plain
+    # Saved at step 3 with every all-gather still to come; resumed with them launched by the step.
+    resumed = _train(data, layout, 6, *OVERLAP_PARAM_GATHER,
+                     "--overlap-param-gather-with-optimizer-step", "--load", str(tmp_path),
+                     "--ckpt-step", "3")
+    assert resumed == {i: plain[i] for i in (4, 5, 6)}
+
+
+def test_two_optimizer_instances_resume_bit_for_bit(data, tmp_path):
+    layout = "dp4-two-optimizer-instances"
+    uninterrupted = _train(data, layout, 6, "--save", str(tmp_path), "--save-interval", "3")
+    resumed = _train(data, layout, 6, "--load", str(tmp_path), "--ckpt-step", "3")
+    assert resumed == {i: uninterrupted[i] for i in (4, 5, 6)}
+    one_instance = _train(data, "dp4-distributed-optimizer-one-instance", 6)
+    for iteration, value in one_instance.items():
+        assert uninterrupted[iteration] == pytest.approx(value, rel=CROSS_LAYOUT_TOLERANCE)
+
+
+def test_two_optimizer_instances_save_the_whole_state(data, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    _train(data, "dp4-two-optimizer-instances", 3, "--save", str(first))
+    _train(data, "dp2-distributed-optimizer", 3, "--load", str(first), "--save", str(second))
+    for part in ("model", "optimizer"):
+        saved, again = _read(first, part), _read(second, part)
+        assert saved.keys() == again.keys()
+        assert [key for key in saved if not torch.equal(saved[key], again[key])] == []
+
+
+@pytest.mark.slow
+def test_two_optimizer_instances_resume_from_torch_dist(data, tmp_path):
+    layout = "dp4-two-optimizer-instances"
+    uninterrupted = _train(data, layout, 6, "--save", str(tmp_path), "--save-interval", "3",
+                           "--ckpt-format", "torch_dist")
+    resumed = _train(data, layout, 6, "--load", str(tmp_path), "--ckpt-step", "3")
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, value in resumed.items():
+        assert value == pytest.approx(uninterrupted[iteration], rel=CROSS_LAYOUT_TOLERANCE)

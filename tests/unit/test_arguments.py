@@ -36,10 +36,12 @@ def test_typed_configs_round_trip(world):
     args = validate_args(parsed("--pipeline-model-parallel-size", "2", "--sequence-parallel",
                                 "--tensor-model-parallel-size", "2"))
     parallel = config_from_args(args, DistributedArgs)
-    # Variable lengths are not bucketed on CPU (gloo).
+    # Variable lengths are not bucketed on CPU (gloo); without interleaving parameter
+    # all-gathers are not aligned (as upstream).
     assert parallel == DistributedArgs(tensor_model_parallel_size=2,
                                        pipeline_model_parallel_size=2,
-                                       distributed_backend="gloo", variable_seq_length_multiple=1)
+                                       distributed_backend="gloo", variable_seq_length_multiple=1,
+                                       align_param_gather=False)
     training = config_from_args(args, TrainingArgs)
     # validate_args turns fused gradient accumulation off on CPU: it is a CUDA GEMM's.
     assert training.sequence_parallel and not training.gradient_accumulation_fusion

@@ -6,7 +6,12 @@ import itertools
 
 import pytest
 
-from megatron.core.process_groups import GLOO_TWINS, ParallelLayout, RankCoordinates
+from megatron.core.process_groups import (
+    GLOO_TWINS,
+    PARTIAL_OPTIMIZER_KINDS,
+    ParallelLayout,
+    RankCoordinates,
+)
 
 PARTITION_KINDS = ("tp", "pp", "dp", "dp_cp", "cp", "mp", "tp_dp", "tp_dp_cp", "tp_cp")
 
@@ -164,13 +169,35 @@ def test_groups_agree_with_coordinates(layout):
 def test_group_kinds_order_and_gloo_twins():
     kinds = ParallelLayout.group_kinds()
     assert kinds[:4] == ("dp", "dp_gloo", "dp_cp", "dp_cp_gloo")
-    assert set(kinds) == set(PARTITION_KINDS) | {"embedding", "position_embedding"} | set(GLOO_TWINS)
+    assert set(kinds) == (set(PARTITION_KINDS) | {"embedding", "position_embedding"}
+                          | set(GLOO_TWINS) - set(PARTIAL_OPTIMIZER_KINDS))
     assert ParallelLayout.group_kinds(gloo_data_parallel=False) == tuple(
         k for k in kinds if k not in GLOO_TWINS
     )
     layout = ParallelLayout(8, tensor_model_parallel_size=2, context_parallel_size=2)
     assert layout.rank_groups("dp_gloo") == layout.rank_groups("dp")
     assert layout.rank_groups("dp_cp_gloo") == layout.rank_groups("dp_cp")
+
+
+def test_partial_distributed_optimizer_groups():
+    # dp 4 x pp 2, two instances: each dp group splits into runs of two consecutive ranks.
+    layout = ParallelLayout(8, pipeline_model_parallel_size=2,
+                            num_distributed_optimizer_instances=2)
+    assert layout.data_parallel_ranks(with_context_parallel=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.rank_groups("intra_dp_cp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.rank_groups("intra_dp_cp_gloo") == layout.rank_groups("intra_dp_cp")
+    assert layout.rank_groups("inter_dp_cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.rank_groups("intra_instance") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert layout.kinds_to_create() == ParallelLayout.group_kinds() + PARTIAL_OPTIMIZER_KINDS
+    assert ParallelLayout(8).kinds_to_create() == ParallelLayout.group_kinds()
+    # With tensor and context parallelism the runs are of the dp x cp group, cp fastest.
+    layout = ParallelLayout(16, tensor_model_parallel_size=2, context_parallel_size=2,
+                            num_distributed_optimizer_instances=2)
+    assert layout.rank_groups("intra_dp_cp")[:2] == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert layout.rank_groups("inter_dp_cp")[:2] == [[0, 8], [2, 10]]
+    assert layout.rank_groups("intra_instance") == [list(range(8)), list(range(8, 16))]
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances=3 must divide"):
+        ParallelLayout(8, num_distributed_optimizer_instances=3)
 
 
 def test_every_order_permutation_is_accepted():

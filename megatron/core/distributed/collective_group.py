@@ -7,6 +7,11 @@ and when torch.distributed is not initialised at all the result is a one-rank gr
 collectives do nothing, so single-process references run the same code without spawning.
 Collectives on any one-rank group are skipped, which also keeps single-GPU runs free of
 pointless communication.
+
+``ReduceOp.AVG`` is native only to NCCL on CUDA tensors. Elsewhere (gloo, whose AVG is missing
+before torch 2.8 and has a reported silent-correctness bug after) an average is a SUM followed
+by a division of the result by the group size; for an asynchronous collective the division
+happens when its handle is waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def distributed_is_running() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+class _DivideOnWait:
+    """A collective's handle whose result becomes an average once it is waited for."""
+
+    def __init__(self, handle, result: torch.Tensor, divisor: int):
+        self.handle, self.result, self.divisor = handle, result, divisor
+
+    def wait(self) -> None:
+        self.handle.wait()
+        self.result.div_(self.divisor)
 
 
 @dataclass(frozen=True)
@@ -44,10 +60,26 @@ class CollectiveGroup:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def _averages_natively(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and "nccl" in str(dist.get_backend(self.group))
+
+    def _reduce(self, collective: Callable, result: torch.Tensor, op, async_op: bool):
+        """Run ``collective(op)``, emulating AVG by SUM and a division where it is not native."""
+        if op != dist.ReduceOp.AVG or self._averages_natively(result):
+            return collective(op)
+        handle = collective(dist.ReduceOp.SUM)
+        if async_op:
+            return _DivideOnWait(handle, result, self.size)
+        result.div_(self.size)
+        return None
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.is_trivial:
             return None
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._reduce(
+            lambda reduce_op: dist.all_reduce(tensor, op=reduce_op, group=self.group,
+                                              async_op=async_op),
+            tensor, op, async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor,
                        op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -56,7 +88,10 @@ class CollectiveGroup:
             if shard.data_ptr() != full.data_ptr():
                 shard.copy_(full)
             return None
-        return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
+        return self._reduce(
+            lambda reduce_op: _reduce_scatter_flat(shard, full, op=reduce_op, group=self.group,
+                                                   async_op=async_op),
+            shard, op, async_op)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's ``shard`` (in rank order) into ``full``."""

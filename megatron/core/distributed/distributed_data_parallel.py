@@ -11,14 +11,20 @@ Per-iteration protocol (what upstream training loops do):
 ``zero_grad_buffer()`` -> forward/backward of every microbatch (all but the last inside
 ``no_sync()``) -> ``finish_grad_sync()`` (usually through ``finalize_model_grads``) ->
 optimizer step.
+
+With the distributed optimizer and ``overlap_param_gather`` every module that holds parameters
+gets a forward pre-hook that waits for the all-gather of their bucket groups (see
+``bucket_group``); ``start_param_sync(force_sync=True)`` makes every parameter whole at once,
+for code that reads them outside a forward pass (checkpoint saving).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -51,7 +57,8 @@ class DistributedDataParallel(torch.nn.Module):
     in it turns off the 1/dp averaging (``finalize_model_grads`` divides by the token count
     instead). ``disable_bucketing`` puts every parameter in one bucket group (used for model
     chunks after the first with interleaved pipelining). ``data_parallel_group`` overrides
-    parallel_state's data(+context)-parallel group.
+    parallel_state's data(+context)-parallel group (with several distributed-optimizer
+    instances, the instances' groups always come from parallel_state).
     """
 
     def __init__(
@@ -77,6 +84,12 @@ class DistributedDataParallel(torch.nn.Module):
             lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
         )
         dp_size = self.data_parallel_group.size
+        # Where gradients are reduce-scattered and parameters gathered, and between which ranks
+        # the reduced shards are then all-reduced (None: one optimizer instance).
+        self.intra_distributed_optimizer_instance_group = self.data_parallel_group
+        self.inter_distributed_optimizer_instance_group: CollectiveGroup | None = None
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            self._use_instance_groups()
 
         # One bucket unless reductions overlap with backward; later pipeline stages do not
         # gain from bucketing because their reduction is not on the critical path.
@@ -112,8 +125,8 @@ class DistributedDataParallel(torch.nn.Module):
 
         self.buffers: list[ParamAndGradBuffer] = [
             ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params,
-                               self.data_parallel_group, self.bucket_size, param_to_name,
-                               scaling)
+                               self.intra_distributed_optimizer_instance_group,
+                               self.bucket_size, param_to_name, scaling)
             for (param_dtype, grad_dtype), params in by_dtype.items()
         ]
         for buffer in self.buffers:
@@ -121,6 +134,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.bucket_groups: list[BucketGroup] = partition_buckets(
             self.buffers, force_single_bucket_group=disable_bucketing
         )
+        self._connect_bucket_groups()
         self.param_to_bucket_group = {
             p: group for group in self.bucket_groups for p in group.params
         }
@@ -128,6 +142,43 @@ class DistributedDataParallel(torch.nn.Module):
             param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
             for param in self.params_with_grad
         ]
+        self.use_forward_hook = (ddp_config.use_distributed_optimizer
+                                 and ddp_config.overlap_param_gather)
+        self._forward_pre_hook_handles: list = []
+        if self.use_forward_hook:
+            self.enable_forward_pre_hook()
+
+    def _use_instance_groups(self) -> None:
+        instances = self.ddp_config.num_distributed_optimizer_instances
+        intra = resolve_group(
+            None, lambda: parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                                 partial_data_parallel=True))
+        inter = resolve_group(None, parallel_state.get_inter_partial_data_parallel_group)
+        if inter.size != instances or intra.size * inter.size != self.data_parallel_group.size:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={instances} needs an inter-instance group "
+                f"of {instances} ranks and instance groups that split the data-parallel group "
+                f"of {self.data_parallel_group.size} ranks; got groups of {inter.size} and "
+                f"{intra.size} ranks (build parallel_state with "
+                f"num_distributed_optimizer_instances={instances})")
+        self.intra_distributed_optimizer_instance_group = intra
+        self.inter_distributed_optimizer_instance_group = inter
+
+    def _connect_bucket_groups(self) -> None:
+        """Give the bucket groups what is shared between them: the inter-instance group and its
+        side stream, and the order of parameter all-gathers (the last bucket holds the
+        parameters the forward pass uses first)."""
+        inter = self.inter_distributed_optimizer_instance_group
+        stream = None
+        on_cuda = any(buffer.grad_data.is_cuda for buffer in self.buffers)
+        if inter is not None and self.ddp_config.overlap_grad_reduce and on_cuda:
+            stream = torch.cuda.Stream(device=self.buffers[0].grad_data.device)
+        for group in self.bucket_groups:
+            group.inter_distributed_optimizer_instance_group = inter
+            group.communication_stream = stream
+        if self.ddp_config.overlap_param_gather:
+            for later, earlier in zip(self.bucket_groups[1:], self.bucket_groups):
+                later.next_param_gather_bucket_group = earlier
 
     def _accumulate_into_main_grad(self, param: torch.nn.Parameter) -> None:
         bucket_group = self.param_to_bucket_group[param]
@@ -163,10 +214,50 @@ class DistributedDataParallel(torch.nn.Module):
         for group in self.bucket_groups:
             group.finish_grad_sync()
 
-    def start_param_sync(self, *unused) -> None:
-        """All-gather the parameter shards updated by the distributed optimizer."""
+    # ------------------------------------------------------------ parameter all-gathers
+
+    def start_param_sync(self, *unused, force_sync: bool = False) -> None:
+        """All-gather the parameter shards updated by the distributed optimizer (with
+        ``overlap_param_gather``: launch those pending; ``force_sync``: complete them now)."""
         for group in self.bucket_groups:
-            group.start_param_sync()
+            group.start_param_sync(force_sync=force_sync)
+
+    def mark_param_gather_pending(self) -> None:
+        """The optimizer updated this rank's shards: gather them before the next use (with
+        ``overlap_param_gather``; otherwise the optimizer gathers at once)."""
+        for group in self.bucket_groups:
+            group.param_gather_pending = True
+
+    def enable_forward_pre_hook(self) -> None:
+        """Wait for a module's parameters in a hook before its forward (overlap_param_gather)."""
+        if not self.use_forward_hook:
+            raise RuntimeError("forward pre-hooks need use_distributed_optimizer=True and "
+                               "overlap_param_gather=True")
+        if self._forward_pre_hook_handles:
+            raise RuntimeError("the forward pre-hooks are already enabled")
+        for module in self.module.modules():
+            groups = list(dict.fromkeys(
+                self.param_to_bucket_group[p] for p in module.parameters(recurse=False)
+                if p in self.param_to_bucket_group))
+            if groups:
+                hook = functools.partial(self._wait_for_parameters, groups)
+                self._forward_pre_hook_handles.append(module.register_forward_pre_hook(hook))
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the forward pre-hooks; ``param_sync`` first makes every parameter whole."""
+        if not self.use_forward_hook:
+            raise RuntimeError("forward pre-hooks need use_distributed_optimizer=True and "
+                               "overlap_param_gather=True")
+        for handle in self._forward_pre_hook_handles:
+            handle.remove()
+        self._forward_pre_hook_handles = []
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def _wait_for_parameters(self, groups: Sequence[BucketGroup], module, args) -> None:
+        # Aligned gathers are launched by the schedule (config.param_sync_func).
+        for group in groups:
+            group.finish_param_sync(skip_next_bucket_dispatch=self.ddp_config.align_param_gather)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         for buffer in self.buffers:

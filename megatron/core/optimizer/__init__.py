@@ -62,6 +62,12 @@ def _check_chunks_match_config(config: OptimizerConfig, model_chunks) -> None:
                 f"but model chunk {index} was wrapped with DistributedDataParallelConfig("
                 f"use_distributed_optimizer={ddp_config.use_distributed_optimizer}); "
                 f"set both the same")
+        elif config.overlap_param_gather_with_optimizer_step and not (
+                ddp_config.overlap_param_gather):
+            raise ValueError(
+                f"OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs model "
+                f"chunk {index} wrapped with DistributedDataParallelConfig("
+                f"overlap_param_gather=True)")
 
 
 def _make_grad_scaler(config: OptimizerConfig, device: torch.device) -> MegatronGradScaler | None:

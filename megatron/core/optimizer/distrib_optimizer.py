@@ -10,6 +10,15 @@ the same rule from the same gradient, only on one rank instead of all.
 
 Gradient norms, zero counts and the inf/nan flag are combined over every rank, since each
 rank now holds a different part of the gradients.
+
+With several distributed-optimizer instances (``num_distributed_optimizer_instances``) the
+shards are those of this rank's instance: every instance holds and steps a whole copy of the
+state (DDP all-reduced the reduced gradients between instances), and gradient statistics are
+combined over one instance's ranks so that each element is counted once.
+
+With ``overlap_param_gather`` the step does not all-gather: it marks the model chunks' bucket
+groups, whose all-gathers the next forward pass launches and waits for; with
+``overlap_param_gather_with_optimizer_step`` they are all launched as soon as the step ends.
 """
 
 from __future__ import annotations
@@ -19,7 +28,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megatron.core.distributed.collective_group import CollectiveGroup, world_group, wrap_group
+from megatron.core import parallel_state
+from megatron.core.distributed.collective_group import (
+    CollectiveGroup,
+    resolve_group,
+    world_group,
+    wrap_group,
+)
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.optimizer.flat_adam import MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
@@ -68,7 +83,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     ``model_chunks`` are DistributedDataParallel modules built with
     ``use_distributed_optimizer=True``; ``per_model_buffers`` maps chunk index to that
-    chunk's buffers. ``data_parallel_group``, when given, must be the buffers' group.
+    chunk's buffers. ``data_parallel_group``, when given, must be the buffers' group (this
+    rank's instance of the data-parallel group when there are several instances).
     ``optimizer`` must be a freshly built torch optimizer over the model parameters; its
     parameter groups are narrowed to this rank's shards.
     """
@@ -104,6 +120,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 wrap_group(data_parallel_group).group != self.data_parallel_group.group):
             raise ValueError("data_parallel_group differs from the group the model's "
                              "DistributedDataParallel buffers were built with")
+        self.ddp_config = self.buffers[0].ddp_config
+        inter = getattr(self.model_chunks[0], "inter_distributed_optimizer_instance_group", None)
+        # Which copy of the state this rank's instance holds (checkpoints save instance 0's).
+        self.distributed_optimizer_instance_id = 0 if inter is None else inter.rank
 
         pieces = {piece.param: piece for b in self.buffers for piece in owned_pieces(b)}
         # Per optimizer group: (model param, its piece, the main shard the optimizer steps).
@@ -141,6 +161,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             yield from entries
 
     def _default_grad_stats_group(self) -> CollectiveGroup:
+        if self.ddp_config.num_distributed_optimizer_instances > 1:
+            return resolve_group(
+                None, parallel_state.get_intra_distributed_optimizer_instance_group)
         return world_group()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -190,7 +213,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         success = super().step_with_ready_grads()
         with timed_phase(self.config, "params-all-gather"):
             for chunk in self.model_chunks:
-                chunk.start_param_sync()
+                if not self.ddp_config.overlap_param_gather:
+                    chunk.start_param_sync()
+                    continue
+                chunk.mark_param_gather_pending()
+                if self.config.overlap_param_gather_with_optimizer_step:
+                    chunk.start_param_sync()
         return success
 
     def main_param_pieces(self) -> list[MainParamPiece]:
@@ -198,12 +226,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 for param, piece, main in self._entries()]
 
     def _layout_signature(self) -> dict:
-        return {
+        signature = {
             "data_parallel_size": self.data_parallel_group.size,
             "data_parallel_rank": self.data_parallel_group.rank,
             "pieces": [[(tuple(p.shape), piece.start, piece.end) for p, piece, _ in entries]
                        for entries in self.shard_groups],
         }
+        instances = self.ddp_config.num_distributed_optimizer_instances
+        if instances > 1:  # (absent from signatures saved before instances existed)
+            signature["instances"] = instances
+        return signature
 
     def state_dict(self) -> dict:
         """This rank's optimizer state: its shards' state and fp32 main parameters.

@@ -13,8 +13,6 @@ _UNSUPPORTED: dict[str, tuple[object, str]] = {
     "main_params_dtype": (torch.float32, "main parameters are always fp32"),
     "exp_avg_dtype": (torch.float32, "Adam state is always fp32"),
     "exp_avg_sq_dtype": (torch.float32, "Adam state is always fp32"),
-    "overlap_param_gather_with_optimizer_step": (
-        False, "the parameter all-gather is not overlapped with anything"),
     "config_logger_dir": ("", "config logging is not implemented"),
 }
 
@@ -81,7 +79,10 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """Shard fp32 main parameters and optimizer state over data-parallel ranks."""
     overlap_param_gather_with_optimizer_step: bool = False
-    """Not supported (must stay False)."""
+    """With the distributed optimizer and DDP's overlap_param_gather: launch every parameter
+    all-gather as soon as the optimizer step ends instead of from the next forward pass (one
+    optimizer steps all model chunks here, so the all-gathers overlap what follows the step,
+    not the step of later chunks as upstream's per-chunk optimizers do)."""
 
     # ---- miscellaneous
     clip_grad: float = 1.0
@@ -103,6 +104,9 @@ class OptimizerConfig:
                     f"OptimizerConfig.{name}={value!r} is not supported by this tree: "
                     f"{reason}; keep it {neutral!r}"
                 )
+        if self.overlap_param_gather_with_optimizer_step and not self.use_distributed_optimizer:
+            raise ValueError("OptimizerConfig.overlap_param_gather_with_optimizer_step needs "
+                             "use_distributed_optimizer=True")
         if self.optimizer not in SUPPORTED_OPTIMIZERS:
             raise ValueError(
                 f"OptimizerConfig.optimizer must be one of {SUPPORTED_OPTIMIZERS}, "

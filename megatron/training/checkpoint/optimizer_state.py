@@ -8,12 +8,13 @@ of the torch optimizer (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_
 every rank, go into ``common.pt`` (``param_group_settings``).
 
 Saving assembles each tensor on one rank only: first over the data-parallel group where the
-distributed optimizer shards it (a sum of disjoint pieces, so exact), then over the tensor-
-parallel group; writers take turns by name, so no rank holds more than about its share of the
-whole state. Loading reads, per rank and without collectives, the whole tensors it needs a
-batch at a time from a checkpoint source (``source.CheckpointSource``: this tree's format, or
-upstream's ``torch_dist`` with canonical names) and keeps its own part, so any layout can load
-any other's state.
+distributed optimizer shards it (a sum of disjoint pieces, so exact; with several optimizer
+instances, over the first instance's ranks), then over the tensor-parallel group; writers take
+turns by name, so no rank holds more than about its share of the whole state. Loading reads,
+per rank and without collectives, the whole tensors it needs a batch at a time from a
+checkpoint source (``source.CheckpointSource``: this tree's format, or upstream's
+``torch_dist`` with canonical names) and keeps its own part, so any layout can load any other's
+state.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class _Layout:
     def __init__(self, optimizer: MegatronOptimizer):
         self.distributed = dist.is_initialized()
         self.tp = parallel_state.get_tensor_model_parallel_group() if self.distributed else None
+        # With several distributed-optimizer instances each holds the whole state; the first
+        # one's ranks save it.
+        self.writes = getattr(optimizer, "distributed_optimizer_instance_id", 0) == 0
         if isinstance(optimizer, DistributedOptimizer):
             self.dp, self.dp_sharded = optimizer.data_parallel_group.group, True
         else:
@@ -155,6 +159,8 @@ def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer) -> dict[
     layout = _Layout(optimizer)
     keys = _state_keys(optimizer)
     entries: dict[str, Any] = {}
+    if not layout.writes:  # (its collectives below stay inside this rank's instance)
+        return entries
     with torch.no_grad():
         for index, slot in enumerate(_slots(model_chunks, optimizer)):
             writer = layout.writer(index)

@@ -60,21 +60,27 @@ class DistributedArgs:
         "(0: all)")
     align_grad_reduce: bool = option(
         True, "", negative=("--no-align-grad-reduce",),
-        accepted="each model chunk's gradient reduction starts when its backward ends")
+        accepted="either way, with --overlap-grad-reduce each pipeline stage launches a "
+        "bucket's gradient reduction as soon as its last backward pass completes the bucket "
+        "(upstream's --no-align-grad-reduce); the gradients are the same")
     ddp_bucket_size: Optional[int] = option(
         None, "elements per gradient bucket with --overlap-grad-reduce (default max(40M, "
         "1M x data-parallel size))")
     ddp_average_in_collective: bool = option(
-        False, "average gradients in the data-parallel collective itself (ReduceOp.AVG) "
-        "instead of scaling them by 1/dp first")
+        False, "average gradients in the data-parallel collective itself (ReduceOp.AVG; on "
+        "gloo a sum divided by the group size) instead of scaling them by 1/dp first")
     overlap_param_gather: bool = option(False, "overlap the distributed optimizer's parameter "
                                         "all-gather with the next forward pass")
     overlap_param_gather_with_optimizer_step: bool = option(
-        False, "", accepted="the parameter all-gathers start right after the optimizer step and "
-        "are waited for by the next forward (--overlap-param-gather)")
+        False, "", accepted="needs --overlap-param-gather: every parameter all-gather starts as "
+        "soon as the optimizer step ends and the next forward waits for it (one optimizer "
+        "steps all model chunks here, so they do not overlap the step itself)")
     align_param_gather: bool = option(
         True, "", negative=("--no-align-param-gather",),
-        accepted="the parameter all-gathers of every model chunk start together after the step")
+        accepted="with --overlap-param-gather and interleaving, the schedule starts a model "
+        "chunk's parameter all-gathers, and the next chunk's, before the chunk's first forward; "
+        "with --no-align-param-gather, or without interleaving (as upstream), waiting for one "
+        "bucket's all-gather starts the next one's")
     scatter_gather_tensors_in_pipeline: bool = option(
         True, "", negative=("--no-scatter-gather-tensors-in-pipeline",),
         accepted="pipeline tensors travel whole (with sequence parallelism they are already "

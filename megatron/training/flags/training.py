@@ -29,7 +29,8 @@ class TrainingArgs:
                                                   choices=("full", "selective"))
     check_for_nan_in_loss_and_grad: bool = option(
         True, "fail the run, naming the rank, when a local gradient norm is NaN (data-parallel "
-        "reduction) or the loss is NaN", negative=("--no-check-for-nan-in-loss-and-grad",))
+        "reduction) or the loss is NaN (off with --fp16 and dynamic loss scaling)",
+        negative=("--no-check-for-nan-in-loss-and-grad",))
     check_for_spiky_loss: bool = unavailable(False, "the rerun state machine is not implemented")
     distribute_saved_activations: bool = option(
         False, "", accepted="full recomputation keeps each layer's input whole on every "
