@@ -26,6 +26,9 @@ def _activation_func(args: argparse.Namespace):
 def core_transformer_config_from_args(args: argparse.Namespace,
                                       config_class: type = TransformerConfig) -> TransformerConfig:
     """The TransformerConfig (a ModelParallelConfig too) that ``args`` describe."""
+    # --init-method-xavier-uniform: Xavier-uniform for every weight, the output projections
+    # too (upstream 0.11 means this but passes a field its config lacks, and stops).
+    xavier = torch.nn.init.xavier_uniform_ if args.init_method_xavier_uniform else None
     return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -36,6 +39,9 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        init_method=xavier,
+        output_layer_init_method=xavier,
+        perform_initialization=args.perform_initialization,
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         normalization=args.normalization,

@@ -190,8 +190,11 @@ def _set_random_seed(seed_: int, data_parallel_random_init: bool = False,
     pipeline stage.
 
     As upstream: stage ``p`` uses ``seed + 100 * p``, plus ``10 * dp_rank`` with
-    ``data_parallel_random_init``, so stages initialise different layers differently while
-    data-parallel replicas stay identical.
+    ``data_parallel_random_init``. These streams drive dropout and, on the GPU path, the
+    tensor-parallel weights' initialisation (the tracker). With CPU initialisation the weights
+    come from the model's own stream of ``--seed`` instead (``TransformerConfig.init_seed``,
+    see ``megatron.core.transformer.init_methods``): upstream's one-rank weights, whatever
+    the layout, where upstream's would change with the pipeline rank.
     """
     if te_rng_tracker or inference_rng_tracker:
         raise ValueError("Transformer Engine and inference RNG trackers are not supported yet")

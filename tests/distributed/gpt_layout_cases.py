@@ -1,8 +1,9 @@
 """Rank-side code: train a small GPT for a few steps on one tp x pp x dp layout, and compare
 every loss, gradient norm and final parameter with the same training in one process.
 
-The reference is the full model on a one-rank group, built from the same per-layer seeds, fed
-the same global batches, reduced and stepped by the same DDP and optimizer code.
+The reference is the full model on a one-rank group, built from the same seed (the initial
+weights do not depend on the layout), fed the same global batches, reduced and stepped by the
+same DDP and optimizer code.
 """
 
 from __future__ import annotations

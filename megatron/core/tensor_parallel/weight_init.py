@@ -3,9 +3,11 @@
 Two initialisation paths, chosen by where the parameter lives:
 
 * CPU (``config.use_cpu_initialization=True``, or no CUDA): every rank draws the FULL
-  weight from the default CPU generator in float32, casts it to ``params_dtype`` and keeps
-  its own shard. With the same seed every tensor-parallel size therefore builds the same
-  model, shard for shard equal to slicing the dense (tp=1) weight. Tests rely on this path.
+  weight from the default CPU generator in float32 (upstream's master weight, so the same
+  numbers in the same order), casts it to ``params_dtype`` and keeps its own shard. Models
+  draw from their initialisation stream (``transformer.init_methods``), so every
+  tensor-parallel size builds the same model, shard for shard equal to slicing the dense
+  (tp=1) weight. Tests rely on this path.
 * CUDA: each rank initialises its shard directly on the device inside the tracker's
   ``model-parallel-rng`` stream (fast, no full copy; shards are not slices of one dense
   weight, as upstream). Needs ``model_parallel_cuda_manual_seed`` first.

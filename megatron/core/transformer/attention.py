@@ -60,6 +60,20 @@ class SelfAttention(MegatronModule):
         self.kv_projection_size = config.kv_channels * config.num_query_groups
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
+        # Upstream builds (and so initialises) the output projection before the QKV one;
+        # registering it after keeps this tree's parameter order.
+        linear_proj = modules.linear_proj(
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=separate_output_bias(config),
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
+        )
         self.linear_qkv = modules.linear_qkv(
             config.hidden_size,
             self.query_projection_size + 2 * self.kv_projection_size,
@@ -91,18 +105,7 @@ class SelfAttention(MegatronModule):
             softmax_scale=config.softmax_scale,
             tp_group=self.tp_group,
         )
-        self.linear_proj = modules.linear_proj(
-            self.query_projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=separate_output_bias(config),
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=self.tp_group,
-        )
+        self.linear_proj = linear_proj
 
     def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states=None):
         """Project ``[s, b, h]`` to query ``[s, b, np, hn]`` and key/value ``[s, b, ng, hn]``."""

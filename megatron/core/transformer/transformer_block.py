@@ -1,8 +1,9 @@
 """The stack of transformer layers one pipeline chunk holds, plus the final norm on the last.
 
-Layers are built for their global indices (see layer_assignment) and each under its own
-initialisation seed (see init_methods.seeded_init), so chunk ``c`` of any layout holds exactly
-the layers, and the weights, that a single-process model holds at those indices.
+Layers are built for their global indices (see layer_assignment), and with CPU initialisation
+a chunk first replays the random draws of the layers before its first one (see
+init_methods), so chunk ``c`` of any layout holds exactly the layers, and the weights, that a
+single-process model holds at those indices.
 
 Activation recomputation (``recompute_granularity='full'``, training mode only): 'uniform'
 checkpoints consecutive groups of ``recompute_num_layers`` layers, keeping only each group's
@@ -13,13 +14,14 @@ and runs the rest normally. 'selective' is handled inside the attention.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Optional
 
 import torch
 
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.dot_product_attention import drop_causal_mask
-from megatron.core.transformer.init_methods import seeded_init
+from megatron.core.transformer.init_methods import model_init_stream, replay_draws
 from megatron.core.transformer.layer_assignment import (
     PipelineStage,
     current_pipeline_stage,
@@ -74,19 +76,17 @@ class TransformerBlock(MegatronModule):
         stage = current_pipeline_stage(config) if pipeline_stage is None else pipeline_stage
         self.global_layer_indices = layer_range(config, stage)
 
-        layers = []
-        for index in self.global_layer_indices:
-            with seeded_init(config, f"decoder.layers.{index}"):
-                layers.append(
-                    TransformerLayer(config, spec, layer_number=index + 1, tp_group=self.tp_group)
-                )
-        self.layers = torch.nn.ModuleList(layers)
-        self.num_layers_per_pipeline_rank = len(self.layers)
+        def layer(index: int) -> TransformerLayer:
+            return TransformerLayer(config, spec, layer_number=index + 1, tp_group=self.tp_group)
 
-        self.final_layernorm = None
-        if post_process and post_layer_norm:
-            with seeded_init(config, "decoder.final_layernorm"):
+        with model_init_stream(config):
+            for index in range(self.global_layer_indices.start):
+                replay_draws(config, functools.partial(layer, index))
+            self.layers = torch.nn.ModuleList(layer(index) for index in self.global_layer_indices)
+            self.final_layernorm = None
+            if post_process and post_layer_norm:
                 self.final_layernorm = spec.modules().norm(config, config.hidden_size)
+        self.num_layers_per_pipeline_rank = len(self.layers)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Use ``input_tensor`` instead of forward's ``hidden_states`` (non-first chunks)."""

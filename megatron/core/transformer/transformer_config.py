@@ -213,8 +213,9 @@ class TransformerConfig(ModelParallelConfig):
     """Std of the default initialisers."""
 
     init_seed: int = 1234
-    """This tree's addition: base seed of the per-layer initialisation streams, so that global
-    layer i gets the same weights under every parallel layout (set it from --seed)."""
+    """This tree's addition: the seed of the stream the initial weights are drawn from (set from
+    --seed; see init_methods), so that they equal upstream's one-rank model for that seed under
+    every parallel layout."""
 
     # --- Mixed precision ---
     apply_query_key_layer_scaling: bool = False

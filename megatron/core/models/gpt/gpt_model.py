@@ -13,7 +13,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel.linear import ColumnParallelLinear
 from megatron.core.transformer.enums import ModelType
-from megatron.core.transformer.init_methods import seeded_init
+from megatron.core.transformer.init_methods import model_init_stream, replay_draws
 from megatron.core.transformer.layer_assignment import PipelineStage
 from megatron.core.transformer.params import checked_tp_group
 from megatron.core.transformer.spec import TransformerLayerSpec
@@ -33,6 +33,11 @@ class GPTModel(LanguageModule):
     ``fp16_lm_cross_entropy``). Keyword-only additions of this tree: ``pipeline_stage``
     (which chunk to build; None reads parallel_state), ``tp_group`` and ``embedding_group``
     (None: parallel_state's).
+
+    Initial weights come from ``config.init_seed``'s stream in upstream's order, so with CPU
+    initialisation they equal upstream's one-rank model for the same seed, at every parallel
+    layout (a chunk first replays the draws of what precedes it; see
+    ``megatron.core.transformer.init_methods``).
     """
 
     def __init__(
@@ -62,37 +67,42 @@ class GPTModel(LanguageModule):
         self.rotary_scaling = rope_scaling
         self.tp_group = checked_tp_group(config, tp_group)
 
-        if pre_process:
-            with seeded_init(config, "embedding"):
-                self.embedding = LanguageModelEmbedding(
-                    config=config,
-                    vocab_size=vocab_size,
-                    max_sequence_length=max_sequence_length,
-                    position_embedding_type=position_embedding_type,
-                    scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                    tp_group=self.tp_group,
-                )
-        if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                rotary_base=rotary_base,
-                rope_scaling=rope_scaling,
-                rope_scaling_factor=rope_scaling_factor,
-                use_cpu_initialization=config.use_cpu_initialization,
+        def embedding() -> LanguageModelEmbedding:
+            return LanguageModelEmbedding(
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                tp_group=self.tp_group,
             )
-        self.decoder = TransformerBlock(
-            config=config,
-            spec=transformer_layer_spec,
-            pre_process=pre_process,
-            post_process=post_process,
-            pipeline_stage=pipeline_stage,
-            tp_group=self.tp_group,
-        )
-        if post_process:
-            with seeded_init(config, "output_layer"):
+
+        # Upstream's construction order, which is the order of the initial weights' draws.
+        with model_init_stream(config):
+            if pre_process:
+                self.embedding = embedding()
+            else:
+                replay_draws(config, embedding)
+            if position_embedding_type == "rope":
+                self.rotary_pos_emb = RotaryEmbedding(
+                    kv_channels=config.kv_channels,
+                    rotary_percent=rotary_percent,
+                    rotary_interleaved=config.rotary_interleaved,
+                    seq_len_interpolation_factor=seq_len_interpolation_factor,
+                    rotary_base=rotary_base,
+                    rope_scaling=rope_scaling,
+                    rope_scaling_factor=rope_scaling_factor,
+                    use_cpu_initialization=config.use_cpu_initialization,
+                )
+            self.decoder = TransformerBlock(
+                config=config,
+                spec=transformer_layer_spec,
+                pre_process=pre_process,
+                post_process=post_process,
+                pipeline_stage=pipeline_stage,
+                tp_group=self.tp_group,
+            )
+            if post_process:
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size,
                     vocab_size,

@@ -16,6 +16,19 @@ from megatron.core.transformer.params import checked_tp_group, parameter_device
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
+def _position_table(config, max_sequence_length: int) -> torch.nn.Embedding:
+    """Learned position embeddings, drawn as upstream draws them: a float32 CPU
+    ``torch.nn.Embedding`` (whose constructor fills it from N(0, 1)), then ``init_method`` over
+    it; only then moved to the parameters' device and dtype. Both fills come from the CPU
+    generator whatever the device, so the random stream stays upstream's."""
+    table = torch.nn.Embedding(max_sequence_length, config.hidden_size, device="cpu",
+                               dtype=torch.float32)
+    if config.perform_initialization:
+        with torch.no_grad():
+            config.init_method(table.weight)
+    return table.to(device=parameter_device(config), dtype=config.params_dtype)
+
+
 class LanguageModelEmbedding(MegatronModule):
     """Vocab-parallel word embeddings, plus learned position embeddings when
     ``position_embedding_type='learned_absolute'``, then hidden dropout.
@@ -69,15 +82,7 @@ class LanguageModelEmbedding(MegatronModule):
             tp_group=self.tp_group,
         )
         if self.add_position_embedding:
-            self.position_embeddings = torch.nn.Embedding(
-                max_sequence_length,
-                config.hidden_size,
-                device=parameter_device(config),
-                dtype=config.params_dtype,
-            )
-            if config.perform_initialization:
-                with torch.no_grad():
-                    config.init_method(self.position_embeddings.weight)
+            self.position_embeddings = _position_table(config, max_sequence_length)
         self.tokentype_embeddings = None
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
