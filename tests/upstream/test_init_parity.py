@@ -51,7 +51,7 @@ VARIANTS = {
                    "--position-embedding-type", "rope", "--group-query-attention",
                    "--num-query-groups", "2", "--disable-bias-linear", "--normalization",
                    "RMSNorm", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96",
-                   "--no-bias-swiglu-fusion", "--no-rope-fusion"],
+                   "--qk-layernorm", "--no-bias-swiglu-fusion", "--no-rope-fusion"],
     # Upstream 0.11 stops on this flag (its config has no field for the output projections'
     # initialiser); upstream_init_rank.py passes that initialiser the way upstream means.
     "xavier": ["--init-method-xavier-uniform", "--untie-embeddings-and-output-weights"],
