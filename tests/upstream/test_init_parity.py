@@ -97,8 +97,8 @@ def test_initial_weights_equal_upstream(variant, upstream_path, tmp_path):
               init_process_group=False, timeout_s=180)
     ours = torch.load(tmp_path / "ours.pt", weights_only=True)
     assert sorted(ours) == sorted(theirs)
-    unequal = [name for name in sorted(ours)
-               if ours[name].dtype != theirs[name].dtype or not torch.equal(ours[name], theirs[name])]
+    unequal = [name for name, tensor in sorted(ours.items())
+               if tensor.dtype != theirs[name].dtype or not torch.equal(tensor, theirs[name])]
     assert not unequal, f"{len(unequal)} of {len(ours)} tensors differ: {unequal}"
     # Every random draw was checked: the weights are not all constant.
     assert any(tensor.std() > 0 for tensor in ours.values())

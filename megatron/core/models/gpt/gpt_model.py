@@ -111,7 +111,8 @@ class GPTModel(LanguageModule):
                     bias=False,
                     skip_bias_add=False,
                     gather_output=not parallel_output,
-                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                    skip_weight_param_allocation=(
+                        pre_process and share_embeddings_and_output_weights),
                     tp_group=self.tp_group,
                 )
         if pre_process or post_process:
