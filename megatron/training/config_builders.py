@@ -76,6 +76,7 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         test_mode=args.test_mode,
         init_seed=args.seed,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        deterministic_mode=args.deterministic_mode,
     )
 
 
@@ -89,7 +90,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
-        clip_grad=args.clip_grad)
+        clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
 
 
 def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
