@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.training import get_args, get_tokenizer
+from megatron.training import get_args, get_timers, get_tokenizer
 from megatron.training.config_builders import core_transformer_config_from_args
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
@@ -78,7 +78,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model: GPTModel):
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, partial(loss_func, loss_mask)
 

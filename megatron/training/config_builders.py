@@ -82,6 +82,7 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         test_mode=args.test_mode,
         init_seed=args.seed,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        deterministic_mode=args.deterministic_mode,
     )
 
 
@@ -97,7 +98,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
         overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
-        clip_grad=args.clip_grad)
+        clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
 
 
 def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:

@@ -20,6 +20,10 @@ Order of events, and why:
    compared once more;
 6. seeds.
 
+Before any of this touches CUDA, ``--deterministic-mode`` makes torch use deterministic
+kernels only (cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` for that, set here unless the user
+set it), and ``--logging-level`` (or ``MEGATRON_LOGGING_LEVEL``) sets Python's logging level.
+
 Device binding. ``init_process_group`` is never given ``device_id``, on any torch version,
 including NGC builds that report ``2.4.0a0+...``:
 
@@ -40,6 +44,7 @@ including NGC builds that report ``2.4.0a0+...``:
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import time
@@ -74,6 +79,8 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
     args = parse_args(extra_args_provider, ignore_unknown_args, argv)
     validate_args(args, args_defaults)
     set_args(args)
+    setup_logging(args)
+    set_deterministic_mode(args.deterministic_mode)
     if args.micro_batch_size is not None:
         try:
             reconfigure_num_microbatches_calculator(
@@ -89,6 +96,34 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
         return
     _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
     _set_random_seed(args.seed, args.data_parallel_random_init)
+
+
+def setup_logging(args) -> None:
+    """Python's root logging level: ``--logging-level``, else ``MEGATRON_LOGGING_LEVEL``, else
+    left as it is (upstream's precedence)."""
+    level = args.logging_level
+    from_env = os.getenv("MEGATRON_LOGGING_LEVEL")
+    if level is None and from_env is not None:
+        try:
+            level = int(from_env)
+        except ValueError:
+            raise ArgumentError(f"MEGATRON_LOGGING_LEVEL must be an integer logging level "
+                                f"(10 debug, 20 info, ...), got {from_env!r}") from None
+    if level is not None:
+        logging.getLogger(__name__).info("Setting logging level to %s", level)
+        logging.getLogger().setLevel(level)
+
+
+# cuBLAS is only deterministic with a fixed workspace per stream (CUDA's documented setting).
+_DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
+
+
+def set_deterministic_mode(enabled: bool) -> None:
+    """Deterministic kernels only, from here on (an operation without one raises)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _DETERMINISTIC_CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
 
 
 def init_process_group_kwargs(*, backend: str, store: dist.Store, rank: int, world_size: int,

@@ -3,6 +3,11 @@
 
 ``start()`` runs once at start-up, before any model is built, and only the last rank writes.
 A requested backend whose package is missing costs one warning line, not the job.
+
+Both backends get every scalar at its iteration. Given the consumed samples too, TensorBoard
+also plots the scalar against them as ``<name> vs samples`` (upstream's second series);
+wandb, whose steps must only grow, gets ``samples vs steps`` instead. Text (the arguments)
+goes to TensorBoard only.
 """
 
 from __future__ import annotations
@@ -17,17 +22,31 @@ from megatron.training.utils import is_last_rank
 
 
 class MetricsWriter(Protocol):
-    def add_scalar(self, name: str, value: float, iteration: int) -> None: ...
+    def add_scalar(self, name: str, value: float, iteration: int,
+                   samples: Optional[int] = None) -> None: ...
+
+    def add_text(self, name: str, text: str, iteration: int) -> None: ...
+
+    def flush(self) -> None: ...
 
     def close(self) -> None: ...
 
 
 class TensorBoardWriter:
-    def __init__(self, tensorboard: ModuleType, log_dir: str):
-        self._writer = tensorboard.SummaryWriter(log_dir=log_dir)
+    def __init__(self, tensorboard: ModuleType, log_dir: str, max_queue: int = 1000):
+        self._writer = tensorboard.SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
-    def add_scalar(self, name: str, value: float, iteration: int) -> None:
+    def add_scalar(self, name: str, value: float, iteration: int,
+                   samples: Optional[int] = None) -> None:
         self._writer.add_scalar(name, value, iteration)
+        if samples is not None:
+            self._writer.add_scalar(f"{name} vs samples", value, samples)
+
+    def add_text(self, name: str, text: str, iteration: int) -> None:
+        self._writer.add_text(name, text, global_step=iteration)
+
+    def flush(self) -> None:
+        self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
@@ -42,9 +61,20 @@ class WandbWriter:
         wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir,
                    config={key: _plain(value) for key, value in vars(args).items()
                            if not callable(value)})
+        self._samples_logged_at: Optional[int] = None
 
-    def add_scalar(self, name: str, value: float, iteration: int) -> None:
+    def add_scalar(self, name: str, value: float, iteration: int,
+                   samples: Optional[int] = None) -> None:
+        if samples is not None and self._samples_logged_at != iteration:
+            self._wandb.log({"samples vs steps": samples}, step=iteration)
+            self._samples_logged_at = iteration
         self._wandb.log({name: value}, step=iteration)
+
+    def add_text(self, name: str, text: str, iteration: int) -> None:
+        pass  # the arguments are already the run's config (init above)
+
+    def flush(self) -> None:
+        pass  # wandb sends in the background
 
     def close(self) -> None:
         self._wandb.finish()
@@ -56,9 +86,18 @@ class FanOut:
     def __init__(self, writers: list[MetricsWriter]):
         self._writers = writers
 
-    def add_scalar(self, name: str, value: float, iteration: int) -> None:
+    def add_scalar(self, name: str, value: float, iteration: int,
+                   samples: Optional[int] = None) -> None:
         for writer in self._writers:
-            writer.add_scalar(name, value, iteration)
+            writer.add_scalar(name, value, iteration, samples)
+
+    def add_text(self, name: str, text: str, iteration: int) -> None:
+        for writer in self._writers:
+            writer.add_text(name, text, iteration)
+
+    def flush(self) -> None:
+        for writer in self._writers:
+            writer.flush()
 
     def close(self) -> None:
         for writer in self._writers:
@@ -92,7 +131,8 @@ def build_writer(args: argparse.Namespace) -> Optional[MetricsWriter]:
             print("WARNING: --tensorboard-dir is set but TensorBoard is not installed; training "
                   "on without TensorBoard logs (pip install tensorboard)", flush=True)
         else:
-            writers.append(TensorBoardWriter(tensorboard, args.tensorboard_dir))
+            writers.append(TensorBoardWriter(tensorboard, args.tensorboard_dir,
+                                             args.tensorboard_queue_size))
     if args.wandb_project:
         wandb = _optional_import("wandb")
         if wandb is None:
@@ -116,3 +156,18 @@ def start(args: argparse.Namespace) -> None:
 
 def get_writer() -> Optional[MetricsWriter]:
     return _WRITER
+
+
+def write_args(args: argparse.Namespace, iteration: int) -> None:
+    """Every argument as text, as upstream records a run's configuration in TensorBoard."""
+    if _WRITER is not None:
+        for name, value in vars(args).items():
+            _WRITER.add_text(name, str(value), iteration)
+
+
+def finish() -> None:
+    """Flush and close the job's writer (once, at the end of the run or before an exit)."""
+    global _WRITER
+    if _WRITER is not None:
+        _WRITER.close()
+        _WRITER = None

@@ -9,11 +9,9 @@ NCCL): a layout that would cross or deadlock is refused with the verifier's repo
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 import time
-from datetime import datetime
 from typing import Callable, Optional
 
 import torch
@@ -33,18 +31,28 @@ from megatron.core.pipeline_parallel.p2p_communicator import set_debug_tags
 from megatron.core.pipeline_parallel.verify import Layout, VerificationError, verify
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
-from megatron.training import metrics_writers
+from megatron.training import metrics_writers, progress_log, run_clock
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.arguments import ArgumentError, validate_training_args
 from megatron.training.batch_schedule import resolve_train_iters, schedule_steps, train_samples
+from megatron.training.checkpoint_and_exit import (
+    checkpoint_and_decide_exit, save_checkpoint_and_time,
+)
 from megatron.training.config_builders import ddp_config_from_args, optimizer_config_from_args
 from megatron.training.data_loading import build_data_loader, cyclic_iter
-from megatron.training.flops import num_floating_point_operations
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import initialize_megatron
+from megatron.training.iteration_log import (
+    LogState, format_evaluation_line, step_report, training_log, write_evaluation_scalars,
+)
+from megatron.training.loop_args import validate_loop_args
+from megatron.training.loop_hooks import LoopHooks
+from megatron.training.memory import empty_unused_memory, start_memory_history
+from megatron.training.param_checks import WeightHashMismatch
 from megatron.training.rendezvous import StartupError
+from megatron.training.run_clock import print_datetime
 from megatron.training.signals import SigtermWatcher
-from megatron.training.timers import Timers
+from megatron.training.timers import Timers, get_timers, set_timers
 from megatron.training.utils import print_rank_0, print_rank_last
 
 
@@ -67,6 +75,12 @@ def _failures_end_the_run(run: Callable) -> Callable:
         except CheckpointError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        except WeightHashMismatch as error:
+            # Raised on every rank at the same iteration; one of them says which ranks.
+            if error.reporter:
+                print(f"error: {error}", file=sys.stderr, flush=True)
+            _leave_together()
+            raise SystemExit(1) from None
         except Exception as error:
             path = flight_recorder.get_flight_recorder().dump_for_error(error)
             if path is not None:
@@ -94,6 +108,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                             get_position_embedding_ranks=get_position_embedding_ranks)
         args = get_args()
         validate_training_args(args)
+        validate_loop_args(args)
         resolve_train_iters(args)
         preflight_pipeline_check(args, get_num_microbatches())
     except (ArgumentError, StartupError, VerificationError) as error:
@@ -101,25 +116,56 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     _start_p2p_diagnostics(args)
+    run_clock.agree_on_start_time()
+    print_rank_0(f"time to initialize megatron (seconds): "
+                 f"{time.time() - run_clock.start_time():.3f}")
+    print_datetime("after megatron is initialized")
+    if args.log_progress:
+        progress_log.job_started(args)
     metrics_writers.start(args)  # a missing optional package warns here, not at iteration 1
-    timers = Timers(log_level=1)
+    timers = Timers(args.timing_log_level, args.timing_log_option)
+    set_timers(timers)
+    start_memory_history(args)
+
+    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
     config = step_config(model, optimizer, timers)
-
     iteration, consumed = 0, 0
     if args.load:
         iteration, consumed = _checkpointing().load_checkpoint(model, optimizer, scheduler)
+    progress_log.job_resumed_from(consumed)
+    timers("model-and-optimizer-setup").stop()
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
+
+    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, consumed, len(model))
-    print_rank_0(f"> starting training at iteration {iteration} ({consumed} samples consumed)")
-    iteration, consumed = train(forward_step_func, model, optimizer, scheduler, train_iterator,
-                                valid_iterator, process_non_loss_data_func, config, iteration,
-                                consumed, timers)
-    if args.save and iteration and (args.save_interval is None or iteration % args.save_interval):
-        _checkpointing().save_checkpoint(iteration, model, optimizer, scheduler, consumed)
-    if test_iterator is not None and args.eval_iters > 0:
-        evaluate_and_print_results("test", forward_step_func, test_iterator, model, iteration,
-                                   process_non_loss_data_func, config)
+    timers("train/valid/test-data-iterators-setup").stop()
+    print_datetime("after dataloaders are built")
+    print_rank_0("done with setup ...")
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"],
+               barrier=True)
+
+    if not args.skip_train:
+        print_rank_0("training ...")
+        print_rank_0(f"> starting training at iteration {iteration} ({consumed} samples consumed)")
+        iteration, consumed = train(forward_step_func, model, optimizer, scheduler,
+                                    train_iterator, valid_iterator, process_non_loss_data_func,
+                                    config, iteration, consumed, timers)
+        print_datetime("after training is done")
+        if args.save and iteration and \
+                (args.save_interval is None or iteration % args.save_interval):
+            save_checkpoint_and_time(iteration, model, optimizer, scheduler, consumed)
+    else:
+        print_rank_0("skipping training (--skip-train is on) ...")
+    for split, data_iterator in (("validation", valid_iterator), ("test", test_iterator)):
+        if data_iterator is not None and args.eval_iters > 0:
+            evaluate_and_print_results(f"iteration {iteration} on {split} set",
+                                       forward_step_func, data_iterator, model, iteration,
+                                       process_non_loss_data_func, config, verbose=True,
+                                       write_to_tensorboard=not args.skip_train,
+                                       consumed_samples=consumed)
+    metrics_writers.finish()
     _leave_together()
 
 
@@ -210,6 +256,7 @@ def step_config(model: list, optimizer, timers: Timers):
     across microbatches and scaled."""
     config = get_model_config(model[0])
     config.timers = timers
+    optimizer.config.timers = timers
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in model]
     if len(model) == 1:
@@ -309,6 +356,7 @@ def _for_schedule(data_iterator, model):
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
     """One iteration: every microbatch forward and backward, then the optimizer step."""
     args = get_args()
+    timers = get_timers()
     data_iterator = _for_schedule(data_iterator, model)
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -318,9 +366,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         model=model if len(model) > 1 else model[0], num_microbatches=get_num_microbatches(),
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length, forward_only=False)
+    empty_unused_memory(args, level=1)
+    timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer").stop()
     if update_successful:
         opt_param_scheduler.step(increment=get_current_running_global_batch_size())
+    empty_unused_memory(args, level=2)
     return _average_reports(losses_reduced), int(not update_successful), grad_norm, num_zeros
 
 
@@ -343,166 +395,125 @@ def _average_reports(reports: list) -> dict[str, float]:
     return averaged
 
 
-class _LogState:
-    """What the log line reports: per logging interval, and the run's skipped samples."""
-
-    def __init__(self):
-        self.skipped_samples = 0
-        self.reset_interval()
-
-    def reset_interval(self) -> None:
-        self.totals: dict[str, float] = {}
-        self.iterations = 0
-        self.skipped = 0
-        self.nan = 0
-        self.started = time.perf_counter()
-
-
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
           valid_data_iterator, process_non_loss_data_func, config, iteration: int,
           consumed_samples: int, timers: Timers) -> tuple[int, int]:
     args = get_args()
     for chunk in model:
         chunk.train()
-    writer = metrics_writers.get_writer()
+    metrics_writers.write_args(args, iteration)
     watcher = SigtermWatcher() if args.exit_signal_handler else None
-    state = _LogState()
-    device = _device(args)
+    state = LogState()
+    hooks = LoopHooks(args, model)
+    hooks.start(iteration)
+    timers("interval-time", log_level=0).start(barrier=True)
+    print_datetime("before the start of training step")
+    should_exit = False
     update_num_microbatches(consumed_samples, consistency_check=False)
     num_microbatches = get_num_microbatches()
     while iteration < args.train_iters:
+        hooks.before_step(iteration)
         update_num_microbatches(consumed_samples, verbose=True)
         if get_num_microbatches() != num_microbatches:
             # As upstream: a batch-size ramp step is a checkpoint (its state is in the file).
             if args.save:
-                _checkpointing().save_checkpoint(iteration, model, optimizer,
-                                              opt_param_scheduler, consumed_samples)
+                save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                         consumed_samples)
             num_microbatches = get_num_microbatches()
             preflight_pipeline_check(args, num_microbatches)
-        loss_dict, skipped, grad_norm, _ = train_step(
+        loss_dict, skipped, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
         iteration += 1
-        consumed_samples += get_current_running_global_batch_size()
+        batch_size = get_current_running_global_batch_size()
+        consumed_samples += batch_size
         # Samples a batch rounded down by --decrease-batch-size-if-needed left out.
-        state.skipped_samples += (get_current_global_batch_size()
-                                  - get_current_running_global_batch_size())
-        _accumulate(state, loss_dict, skipped)
-        if iteration % args.log_interval == 0:
-            training_log(state, iteration, consumed_samples, optimizer, grad_norm, timers, writer)
+        state.skipped_samples += get_current_global_batch_size() - batch_size
+        training_log(state, step_report(model, optimizer, loss_dict, skipped, grad_norm,
+                                        num_zeros), iteration, consumed_samples, batch_size)
         if args.eval_interval and iteration % args.eval_interval == 0 and \
                 valid_data_iterator is not None and args.eval_iters > 0:
-            evaluate_and_print_results("validation", forward_step_func, valid_data_iterator, model,
-                                       iteration, process_non_loss_data_func, config, writer)
-        saved = False
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            _checkpointing().save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                                          consumed_samples)
-            saved = True
-        stop = watcher is not None and watcher.any_rank_received(device)
-        if stop or (args.exit_interval and iteration % args.exit_interval == 0):
-            if args.save and not saved:
-                _checkpointing().save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                                              consumed_samples)
-            reason = "SIGTERM" if stop else f"--exit-interval {args.exit_interval}"
-            print_rank_0(f"exiting at iteration {iteration} ({reason})")
-            if writer is not None:
-                writer.close()
-            _leave_together()
-            raise SystemExit(0)
+            timers("interval-time").stop()
+            with hooks.around_evaluation():
+                evaluate_and_print_results(f"iteration {iteration}", forward_step_func,
+                                           valid_data_iterator, model, iteration,
+                                           process_non_loss_data_func, config,
+                                           consumed_samples=consumed_samples)
+            timers("interval-time", log_level=0).start(barrier=True)
+        hooks.after_step(iteration)
+        should_exit = checkpoint_and_decide_exit(iteration, model, optimizer,
+                                                 opt_param_scheduler, consumed_samples, watcher)
+        if should_exit:
+            break
+    hooks.finish()
+    writer = metrics_writers.get_writer()
     if writer is not None:
-        writer.close()
+        writer.flush()
+    if should_exit:
+        metrics_writers.finish()
+        _leave_together()
+        raise SystemExit(0)
     return iteration, consumed_samples
 
 
-def _accumulate(state: _LogState, loss_dict: dict, skipped: int) -> None:
-    state.iterations += 1
-    state.skipped += skipped
-    for key, value in loss_dict.items():
-        if math.isnan(value) or math.isinf(value):
-            state.nan += 1
-        elif not skipped:
-            state.totals[key] = state.totals.get(key, 0.0) + value
-
-
-def training_log(state: _LogState, iteration: int, consumed_samples: int, optimizer,
-                 grad_norm, timers: Timers, writer) -> None:
-    """Upstream's log line, printed by the last rank."""
-    args = get_args()
-    elapsed = (time.perf_counter() - state.started) / state.iterations
-    # As upstream: the input embedding's and output layer's groups with --decoupled-lr.
-    learning_rate = decoupled_learning_rate = None
-    for group in optimizer.param_groups:
-        if group.get("is_decoupled_lr"):
-            decoupled_learning_rate = group["lr"]
-        else:
-            learning_rate = group["lr"]
-    line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
-    line += f" iteration {iteration:8d}/{args.train_iters:8d} |"
-    line += f" consumed samples: {consumed_samples:12d} |"
-    if state.skipped_samples:
-        line += f" skipped samples: {state.skipped_samples:12d} |"
-    line += f" elapsed time per iteration (ms): {1000 * elapsed:.1f} |"
-    if args.log_throughput:
-        flops = num_floating_point_operations(args, get_current_running_global_batch_size())
-        line += f" throughput per GPU (TFLOP/s/GPU): {flops / (elapsed * 1e12 * args.world_size):.1f} |"
-    line += f" learning rate: {learning_rate:.6E} |"
-    if decoupled_learning_rate is not None:
-        line += f" decoupled learning rate: {decoupled_learning_rate:.6E} |"
-    line += f" global batch size: {get_current_running_global_batch_size():5d} |"
-    counted = max(1, state.iterations - state.skipped - state.nan)
-    for key, total in state.totals.items():
-        line += f" {key}: {total / counted:.6E} |"
-    line += f" loss scale: {float(optimizer.get_loss_scale()):.1f} |"
-    if grad_norm is not None:
-        line += f" grad norm: {float(grad_norm):.3f} |"
-    line += f" number of skipped iterations: {state.skipped:3d} |"
-    line += f" number of nan iterations: {state.nan:3d} |"
-    print_rank_last(line)
-    if writer is not None:
-        writer.add_scalar("learning-rate", learning_rate, iteration)
-        if decoupled_learning_rate is not None:
-            writer.add_scalar("decoupled-learning-rate", decoupled_learning_rate, iteration)
-        writer.add_scalar("iteration-time", elapsed, iteration)
-        for key, total in state.totals.items():
-            writer.add_scalar(key, total / counted, iteration)
-        if grad_norm is not None:
-            writer.add_scalar("grad-norm", float(grad_norm), iteration)
-    timers.elapsed_ms(["forward-backward"])  # reset per interval
-    state.reset_interval()
-
-
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config,
-             verbose: bool = False) -> dict[str, float]:
-    """Mean reported losses over ``--eval-iters`` forward-only iterations."""
-    del process_non_loss_data_func, verbose, config
+             verbose: bool = False, non_loss_data_func=None):
+    """Mean reported losses over ``--eval-iters`` forward-only iterations, as
+    ``(losses, None, timelimit)``: ``timelimit`` is True, and the losses None, when
+    ``--exit-duration-in-mins`` ran out during the evaluation."""
+    del process_non_loss_data_func, non_loss_data_func
     args = get_args()
+    timers = get_timers()
+    timers("evaluate", log_level=0).start(barrier=True)
     data_iterator = _for_schedule(data_iterator, model)
     for chunk in model:
         chunk.eval()
     totals: dict[str, float] = {}
-    with torch.no_grad():
-        for _ in range(args.eval_iters):
-            reports = get_forward_backward_func()(
-                forward_step_func=forward_step_func, data_iterator=data_iterator,
-                model=model if len(model) > 1 else model[0],
-                num_microbatches=eval_num_microbatches(args), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                forward_only=True)
-            for key, value in _average_reports(reports).items():
-                totals[key] = totals.get(key, 0.0) + value / args.eval_iters
-    for chunk in model:
-        chunk.train()
-    return totals
+    if verbose:
+        print_rank_0(f"Evaluating on {args.eval_iters * args.global_batch_size} samples")
+    timed_config, config.timers = config.timers, None  # evaluation is not training time
+    try:
+        with torch.no_grad():
+            for step in range(1, args.eval_iters + 1):
+                if verbose:
+                    print_rank_0(f"Evaluating iter {step}/{args.eval_iters}")
+                reports = get_forward_backward_func()(
+                    forward_step_func=forward_step_func, data_iterator=data_iterator,
+                    model=model if len(model) > 1 else model[0],
+                    num_microbatches=eval_num_microbatches(args), seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                    forward_only=True)
+                empty_unused_memory(args, level=1)
+                for key, value in _average_reports(reports).items():
+                    totals[key] = totals.get(key, 0.0) + value / args.eval_iters
+                if args.exit_duration_in_mins and \
+                        run_clock.duration_exceeded(args.exit_duration_in_mins)[0]:
+                    print_rank_0("Exiting during evaluation, timelimit reached")
+                    return None, None, True
+    finally:
+        config.timers = timed_config
+        for chunk in model:
+            chunk.train()
+        timers("evaluate").stop()
+    timers.log(["evaluate"])
+    return totals, None, False
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func, data_iterator, model,
                                iteration: int, process_non_loss_data_func, config,
-                               writer=None) -> None:
-    results = evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func,
-                       config)
-    line = f" {prefix} loss at iteration {iteration} |"
-    for key, value in results.items():
-        line += f" {key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E} |"
-        if writer is not None:
-            writer.add_scalar(f"{key} {prefix}", value, iteration)
-    print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+                               verbose: bool = False, write_to_tensorboard: bool = True,
+                               non_loss_data_func=None,
+                               consumed_samples: Optional[int] = None) -> None:
+    """Evaluate and print upstream's ``validation loss at <prefix> | ...`` line between two
+    rules (last rank); the results also go to the metrics writer unless told not to."""
+    args = get_args()
+    results, _, timelimit = evaluate(forward_step_func, data_iterator, model,
+                                     process_non_loss_data_func, config, verbose,
+                                     non_loss_data_func)
+    if timelimit:
+        return
+    writer = metrics_writers.get_writer() if write_to_tensorboard else None
+    if writer is not None:
+        write_evaluation_scalars(args, writer, results, iteration, consumed_samples)
+    line = format_evaluation_line(prefix, results)
+    rule = "-" * (len(line) + 1)
+    print_rank_last(f"{rule}\n{line}\n{rule}")

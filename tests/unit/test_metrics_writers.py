@@ -136,3 +136,45 @@ def test_wandb_project_needs_an_experiment_name(monkeypatch):
         "--vocab-size", "64", "--wandb-project", "p"))
     with pytest.raises(ArgumentError, match="--wandb-project needs --wandb-exp-name"):
         validate_training_args(args)
+
+
+def scalars_in(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def test_tensorboard_also_plots_against_samples_and_keeps_text(tmp_path):
+    pytest.importorskip("tensorboard")
+    writer = metrics_writers.build_writer(parsed("--tensorboard-dir", str(tmp_path),
+                                                 "--tensorboard-queue-size", "5"))
+    assert writer._writer.max_queue == 5
+    writer.add_scalar("lm loss", 2.5, 3, samples=96)
+    writer.add_scalar("mem-allocated-bytes", 7.0, 3)
+    writer.add_text("seed", "1234", 0)
+    writer.close()
+    events = scalars_in(tmp_path)
+    assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(3, 2.5)]
+    assert [(e.step, e.value) for e in events.Scalars("lm loss vs samples")] == [(96, 2.5)]
+    assert "mem-allocated-bytes vs samples" not in events.Tags()["scalars"]
+    assert "seed/text_summary" in events.Tags()["tensors"]
+
+
+def test_wandb_steps_only_grow_and_it_gets_samples_vs_steps(fake_wandb):
+    writer = metrics_writers.build_writer(parsed("--wandb-project", "p", "--wandb-exp-name", "r"))
+    writer.add_scalar("lm loss", 2.5, 3, samples=96)
+    writer.add_scalar("grad-norm", 0.5, 3, samples=96)
+    writer.add_text("seed", "1234", 0)
+    logs = [call[1:] for call in fake_wandb.calls if call[0] == "log"]
+    assert logs == [({"samples vs steps": 96}, 3), ({"lm loss": 2.5}, 3), ({"grad-norm": 0.5}, 3)]
+
+
+def test_finish_closes_the_job_writer_once(fake_wandb, monkeypatch):
+    monkeypatch.setattr(metrics_writers, "is_last_rank", lambda: True)
+    metrics_writers.start(parsed("--wandb-project", "p", "--wandb-exp-name", "r"))
+    metrics_writers.finish()
+    metrics_writers.finish()
+    assert metrics_writers.get_writer() is None
+    assert [call for call in fake_wandb.calls if call[0] == "finish"] == [("finish",)]

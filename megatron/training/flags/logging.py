@@ -32,10 +32,10 @@ class LoggingArgs:
     log_validation_ppl_to_tensorboard: bool = option(False, "write validation perplexity to "
                                                      "TensorBoard")
     log_memory_to_tensorboard: bool = option(False, "write CUDA memory statistics to "
-                                             "TensorBoard")
+                                             "TensorBoard (nothing without CUDA)")
     log_world_size_to_tensorboard: bool = option(False, "write the world size to TensorBoard")
     wandb_project: str = option("", "log the same scalars to this wandb project (last rank)")
     wandb_exp_name: str = option("", "wandb run name (needed with --wandb-project)")
     wandb_save_dir: str = option("", "local wandb directory (default: <--save>/wandb)")
-    logging_level: Optional[int] = option(None, "level of Python's logging for this tree "
-                                          "(10 debug, 20 info, ...)")
+    logging_level: Optional[int] = option(None, "Python's root logging level (10 debug, 20 "
+                                          "info, ...; default: $MEGATRON_LOGGING_LEVEL)")

@@ -49,7 +49,7 @@ class TrainingArgs:
                                         "to --tensorboard-dir")
     profile_ranks: list[int] = option([0], "ranks that profile", nargs="+")
     record_memory_history: bool = option(False, "record CUDA allocator history and dump a "
-                                         "snapshot to --memory-snapshot-path")
+                                         "snapshot to --memory-snapshot-path (CUDA only)")
     memory_snapshot_path: str = option("snapshot.pickle", "where --record-memory-history "
                                        "writes its snapshot")
     tp_comm_overlap: bool = unavailable(False, _TP_OVERLAP)
@@ -73,7 +73,7 @@ class TrainingArgs:
                                           "every parallel layout)")
     empty_unused_memory_level: int = option(
         0, "return cached CUDA memory to the device: 1 after each forward-backward, 2 also "
-        "after each optimizer step", choices=(0, 1, 2))
+        "after each optimizer step (nothing without CUDA)", choices=(0, 1, 2))
     deterministic_mode: bool = option(False, "bitwise reproducible runs: deterministic torch "
                                       "kernels only (with NCCL, NCCL_ALGO must be set)")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = option(
@@ -133,7 +133,7 @@ class TrainingArgs:
     manual_gc: bool = option(False, "disable Python's automatic garbage collector; collect "
                              "every --manual-gc-interval iterations instead")
     manual_gc_interval: int = option(0, "iterations between collections with --manual-gc "
-                                     "(0: only around checkpoints and evaluations)")
+                                     "(0: only around evaluations)")
     manual_gc_eval: bool = option(True, "with --manual-gc collect before and after evaluation",
                                   negative=("--no-manual-gc-eval",))
 
