@@ -85,9 +85,10 @@ def _global_name(chunk, name: str) -> str:
     return f"decoder.layers.{index}.{match.group(2)}"
 
 
-def _build_chunks(pp, vpp, tied, **overrides):
-    config = small_config(num_layers=8, pipeline_model_parallel_size=pp,
-                          virtual_pipeline_model_parallel_size=vpp, **PIPELINED, **overrides)
+def _build_chunks(pp, vpp, tied, split=None, **overrides):
+    config = small_config(**{"num_layers": 8, **overrides, **(split or {})},
+                          pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vpp, **PIPELINED)
     chunks = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="tied word embeddings across pipeline")
@@ -108,16 +109,28 @@ def _rope_kwargs(overrides):
     return {"position_embedding_type": "rope"} if overrides.get("normalization") else {}
 
 
-@pytest.mark.parametrize("pp, vpp, tied, overrides", [
-    (2, None, False, {}),
-    (2, 2, True, {}),
+BOTH_SLOTS = dict(account_for_embedding_in_pipeline_split=True,
+                  account_for_loss_in_pipeline_split=True)
+
+
+@pytest.mark.parametrize("pp, vpp, tied, overrides, split", [
+    (2, None, False, {}, None),
+    (2, 2, True, {}, None),
     (4, None, True, dict(normalization="RMSNorm", gated_linear_unit=True,
-                         activation_func=torch.nn.functional.silu, num_query_groups=2)),
+                         activation_func=torch.nn.functional.silu, num_query_groups=2), None),
+    # The first and the last chunk hold no layer: embedding only, final norm and loss only.
+    (4, 2, True, dict(num_layers=6), BOTH_SLOTS),
+    (2, None, False, dict(num_layers=6), BOTH_SLOTS),
+    (4, 2, False, dict(num_layers=10), dict(num_layers_in_first_pipeline_stage=2,
+                                            num_layers_in_last_pipeline_stage=4)),
+    (3, None, True, dict(num_layers=4), dict(num_layers_in_first_pipeline_stage=2,
+                                             num_layers_in_last_pipeline_stage=2)),
 ])
-def test_chunks_chained_through_set_input_tensor_equal_the_full_model(pp, vpp, tied, overrides):
-    full = build_gpt(small_config(num_layers=8, **overrides),
+def test_chunks_chained_through_set_input_tensor_equal_the_full_model(pp, vpp, tied, overrides,
+                                                                      split):
+    full = build_gpt(small_config(**{"num_layers": 8, **overrides}),
                      share_embeddings_and_output_weights=tied, **_rope_kwargs(overrides))
-    chunks = _build_chunks(pp, vpp, tied, **overrides)
+    chunks = _build_chunks(pp, vpp, tied, split, **overrides)
     full_params = dict(full.named_parameters())
     for chunk in chunks:  # the same global layers get the same initial weights
         for name, param in chunk.named_parameters():

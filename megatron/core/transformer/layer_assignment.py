@@ -1,17 +1,23 @@
 """Which global transformer layers each pipeline chunk holds.
 
 Global layer order runs chunk-major: virtual chunk 0 of pipeline ranks 0..pp-1, then virtual
-chunk 1 of ranks 0..pp-1, and so on (megatron-core's interleaved assignment). A pipeline rank
-holds ``L / pp`` layers, or the sizes given by ``num_layers_in_first_pipeline_stage`` /
-``num_layers_in_last_pipeline_stage`` with the rest split evenly over the middle ranks; each
-of its ``vpp`` chunks holds an equal share. With 8 layers, pp=2, vpp=2: rank 0 holds [0, 1]
-and [4, 5], rank 1 holds [2, 3] and [6, 7].
+chunk 1 of ranks 0..pp-1, and so on (megatron-core's interleaved assignment). The split is
+counted in *slots*: a pipeline rank holds ``slots / pp`` of them, or the sizes given by
+``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` with the rest
+split evenly over the middle ranks, and each of its ``vpp`` chunks an equal share. A slot is a
+transformer layer, except that ``account_for_embedding_in_pipeline_split`` makes the very first
+slot the embedding and ``account_for_loss_in_pipeline_split`` the very last one the output layer
+and loss, so that the first (last) chunk holds one layer fewer; such a chunk may hold none.
+
+With 8 layers, pp=2, vpp=2: rank 0 holds [0, 1] and [4, 5], rank 1 holds [2, 3] and [6, 7].
+With 6 layers, pp=4, vpp=2 and both slots counted: rank 0 holds [] (the embedding) and [3],
+rank 3 holds [2] and [] (the loss).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from megatron.core import parallel_state
 
@@ -25,6 +31,8 @@ class LayerLayout(Protocol):
     virtual_pipeline_model_parallel_size: Optional[int]
     num_layers_in_first_pipeline_stage: Optional[int]
     num_layers_in_last_pipeline_stage: Optional[int]
+    account_for_embedding_in_pipeline_split: bool
+    account_for_loss_in_pipeline_split: bool
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,25 @@ def _virtual_size(config: LayerLayout) -> int:
     return config.virtual_pipeline_model_parallel_size or 1
 
 
-def layers_per_pipeline_rank(config: LayerLayout) -> list[int]:
-    """Layers held by each pipeline rank (all of its virtual chunks together)."""
-    pp, total = config.pipeline_model_parallel_size, config.num_layers
+def _uneven(config: LayerLayout) -> bool:
+    return (config.num_layers_in_first_pipeline_stage is not None
+            or config.num_layers_in_last_pipeline_stage is not None)
+
+
+def _extra_slots(config: LayerLayout) -> tuple[int, int]:
+    """(1 if the embedding takes a slot else 0, likewise for the loss)."""
+    return (int(config.account_for_embedding_in_pipeline_split),
+            int(config.account_for_loss_in_pipeline_split))
+
+
+def slots_per_pipeline_rank(config: LayerLayout) -> list[int]:
+    """Slots held by each pipeline rank (all of its virtual chunks together)."""
+    pp = config.pipeline_model_parallel_size
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
-    if first is None and last is None:
-        return [total // pp] * pp
+    if not _uneven(config):
+        return [(config.num_layers + sum(_extra_slots(config))) // pp] * pp
     middle_ranks = pp - (first is not None) - (last is not None)
-    middle_layers = total - (first or 0) - (last or 0)
+    middle_layers = config.num_layers - (first or 0) - (last or 0)
     per_middle = middle_layers // middle_ranks if middle_ranks else 0
     counts = [per_middle] * pp
     if first is not None:
@@ -83,44 +102,61 @@ def layers_per_pipeline_rank(config: LayerLayout) -> list[int]:
     return counts
 
 
-def check_layer_split(config: LayerLayout) -> None:
-    """Raise ValueError, naming the fields, unless the layers split exactly over the chunks."""
+def _as_field(name: str, value) -> str:
+    return f"{name}={value}"
+
+
+def check_layer_split(config: LayerLayout, setting: Callable[[str, object], str] = _as_field
+                      ) -> None:
+    """Raise ValueError unless the layers split exactly over the chunks. ``setting(field,
+    value)`` words each setting in the message (``--flag value`` for command lines)."""
     pp, vpp, total = config.pipeline_model_parallel_size, _virtual_size(config), config.num_layers
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
-    if first is None and last is None:
-        if total % (pp * vpp):
+    embedding, loss = _extra_slots(config)
+    chunks = f"{setting('pipeline_model_parallel_size', pp)}"
+    if vpp > 1:
+        chunks += f" x {setting('virtual_pipeline_model_parallel_size', vpp)}"
+    if not _uneven(config):
+        slots = total + embedding + loss
+        if slots % (pp * vpp):
+            counted = ""
+            if embedding or loss:
+                counted = f" plus {embedding + loss} for the embedding/loss (= {slots} slots)"
             raise ValueError(
-                f"num_layers={total} does not divide evenly over pipeline_model_parallel_size={pp} "
-                f"x virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size}"
-                f" = {pp * vpp} model chunks; choose num_layers as a multiple of {pp * vpp}, or set "
-                "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
-            )
+                f"{setting('num_layers', total)}{counted} does not divide evenly over {chunks} "
+                f"= {pp * vpp} model chunks; choose a multiple of {pp * vpp}, or set "
+                f"{setting('num_layers_in_first_pipeline_stage', 'N')} / "
+                f"{setting('num_layers_in_last_pipeline_stage', 'N')}")
         return
+    if embedding or loss:
+        raise ValueError(
+            f"{setting('num_layers_in_first_pipeline_stage', first)} / "
+            f"{setting('num_layers_in_last_pipeline_stage', last)} and "
+            f"{setting('account_for_embedding_in_pipeline_split', bool(embedding))} / "
+            f"{setting('account_for_loss_in_pipeline_split', bool(loss))} are alternative ways "
+            "to size the first and last stages; use one")
     if pp < 2:
         raise ValueError(
-            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage need "
-            f"pipeline_model_parallel_size >= 2, got {pp}"
-        )
+            f"{setting('num_layers_in_first_pipeline_stage', first)} / "
+            f"{setting('num_layers_in_last_pipeline_stage', last)} need "
+            f"{setting('pipeline_model_parallel_size', pp)} >= 2")
     for name, value in (("num_layers_in_first_pipeline_stage", first),
                         ("num_layers_in_last_pipeline_stage", last)):
         if value is not None and (value < 1 or value % vpp):
-            raise ValueError(
-                f"{name}={value} must be >= 1 and a multiple of "
-                f"virtual_pipeline_model_parallel_size={vpp}"
-            )
+            raise ValueError(f"{setting(name, value)} must be >= 1 and a multiple of the "
+                             f"virtual pipeline size {vpp}")
     middle_ranks = pp - (first is not None) - (last is not None)
     middle_layers = total - (first or 0) - (last or 0)
     if middle_layers < 0 or (middle_ranks == 0 and middle_layers != 0):
         raise ValueError(
-            f"num_layers_in_first_pipeline_stage={first} and num_layers_in_last_pipeline_stage="
-            f"{last} do not fit num_layers={total} with pipeline_model_parallel_size={pp}"
-        )
+            f"{setting('num_layers_in_first_pipeline_stage', first)} and "
+            f"{setting('num_layers_in_last_pipeline_stage', last)} do not fit "
+            f"{setting('num_layers', total)} over {setting('pipeline_model_parallel_size', pp)}")
     if middle_ranks and middle_layers % (middle_ranks * vpp):
         raise ValueError(
             f"the {middle_layers} layers left for the {middle_ranks} middle pipeline ranks "
-            f"(num_layers={total} minus num_layers_in_first/last_pipeline_stage) do not divide "
-            f"evenly over them x virtual_pipeline_model_parallel_size={vpp}"
-        )
+            f"({setting('num_layers', total)} minus the first/last stages) do not divide evenly "
+            f"over them x the virtual pipeline size {vpp}")
 
 
 def layer_range(config: LayerLayout, stage: PipelineStage) -> range:
@@ -132,10 +168,14 @@ def layer_range(config: LayerLayout, stage: PipelineStage) -> range:
             f"{pp} and virtual_pipeline_model_parallel_size="
             f"{config.virtual_pipeline_model_parallel_size}"
         )
-    per_chunk = [count // vpp for count in layers_per_pipeline_rank(config)]
+    per_chunk = [slots // vpp for slots in slots_per_pipeline_rank(config)]
     chunk = stage.virtual_rank or 0
-    start = chunk * sum(per_chunk) + sum(per_chunk[: stage.rank])
-    return range(start, start + per_chunk[stage.rank])
+    first_slot = chunk * sum(per_chunk) + sum(per_chunk[: stage.rank])
+    # Slot k holds layer k - 1 when slot 0 is the embedding; the loss slot holds no layer.
+    shift = _extra_slots(config)[0]
+    start = max(first_slot - shift, 0)
+    end = min(first_slot + per_chunk[stage.rank] - shift, config.num_layers)
+    return range(start, max(start, end))
 
 
 def current_pipeline_stage(config: LayerLayout) -> PipelineStage:

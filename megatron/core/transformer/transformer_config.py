@@ -34,10 +34,6 @@ _NO_GRAPHS = "CUDA graphs of transformer layers are not implemented"
 
 # Field -> why a non-default value is refused. Remove an entry once the feature exists.
 UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
-    "account_for_embedding_in_pipeline_split": "the embedding is never counted as a layer "
-    "when splitting layers over pipeline stages; use num_layers_in_first_pipeline_stage",
-    "account_for_loss_in_pipeline_split": "the loss is never counted as a layer when "
-    "splitting layers over pipeline stages; use num_layers_in_last_pipeline_stage",
     "apply_residual_connection_post_layernorm": "the residual always bypasses the norm "
     "(pre-norm layers); megatron-core's own layers ignore this field too",
     "activation_func_fp8_input_store": _NO_FP8,
@@ -110,16 +106,20 @@ class TransformerConfig(ModelParallelConfig):
     """Transformer layers in the whole model (all pipeline stages together)."""
 
     num_layers_in_first_pipeline_stage: Optional[int] = None
-    """Layers on the first pipeline stage; None splits all layers evenly."""
+    """Layers on the first pipeline stage (all of its virtual chunks); None splits all layers
+    evenly. The other ranks share the rest evenly (see layer_assignment)."""
 
     num_layers_in_last_pipeline_stage: Optional[int] = None
-    """Layers on the last pipeline stage; None splits all layers evenly."""
+    """Layers on the last pipeline stage (all of its virtual chunks); None splits all layers
+    evenly."""
 
     account_for_embedding_in_pipeline_split: bool = False
-    """Count the embedding as a layer when splitting stages (unsupported)."""
+    """Count the embedding as one layer when splitting layers over pipeline chunks: the first
+    chunk holds one layer fewer (possibly none). Excludes num_layers_in_first/last_*."""
 
     account_for_loss_in_pipeline_split: bool = False
-    """Count the loss as a layer when splitting stages (unsupported)."""
+    """Count the output layer and loss as one layer when splitting: the last chunk holds one
+    layer fewer (possibly none). Excludes num_layers_in_first/last_*."""
 
     hidden_size: int = 0
     """Width of the residual stream."""
