@@ -47,10 +47,6 @@ UNSUPPORTED_FEATURES: dict[str, UnsupportedFeature] = {
     "use_ring_exchange_p2p": UnsupportedFeature(
         "it needs a PyTorch build with torch.distributed.ring_exchange; use batch_p2p_comm instead"
     ),
-    "defer_embedding_wgrad_compute": UnsupportedFeature(
-        "deferring embedding weight gradients needs fused gradient accumulation, which is not "
-        "implemented; keep it False"
-    ),
     "pipeline_model_parallel_split_rank": UnsupportedFeature(
         "only decoder-only models are pipelined, so there is no encoder/decoder split; keep it None"
     ),
@@ -229,7 +225,8 @@ class ModelParallelConfig:
     """Free an output tensor's data once it has been sent on, keeping only its autograd node."""
 
     defer_embedding_wgrad_compute: bool = False
-    """Postpone embedding weight-gradient GEMMs into the pipeline flush (unsupported)."""
+    """On the last pipeline stage, compute the output layer's weight-gradient GEMMs in a batch
+    after its last backward (the pipeline flush) instead of in each microbatch's backward."""
 
     wgrad_deferral_limit: int = 0
     """With defer_embedding_wgrad_compute: microbatches to defer; 0 means all."""
@@ -327,6 +324,12 @@ class ModelParallelConfig:
                 "(after dataclasses.replace of pipeline_model_parallel_size, pass "
                 "microbatch_group_size_per_vp_stage=None too)"
             )
+        if self.defer_embedding_wgrad_compute and pp == 1:
+            raise ValueError("defer_embedding_wgrad_compute=True defers into the pipeline flush, "
+                             "so it needs pipeline_model_parallel_size > 1")
+        if self.defer_embedding_wgrad_compute and self.wgrad_deferral_limit < 0:
+            raise ValueError(f"wgrad_deferral_limit={self.wgrad_deferral_limit} must be >= 0 "
+                             "(0 defers every microbatch)")
 
     def _check_precision(self) -> None:
         if self.fp16 and self.bf16:

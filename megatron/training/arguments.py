@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.layer_assignment import check_layer_split
 from megatron.training.flags.groups import ARGUMENT_GROUPS
 from megatron.training.flags.schema import (
     add_config_arguments, config_from_args, flag_name, refusals,
@@ -131,6 +132,41 @@ def _derive_virtual_pipeline_size(args: argparse.Namespace) -> Optional[int]:
     return chunks if chunks > 1 else None
 
 
+# The TransformerConfig fields of the layer split, by the flags that set them.
+_LAYER_SPLIT_FLAGS = {
+    "num_layers": "num_layers",
+    "pipeline_model_parallel_size": "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
+    "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
+}
+
+
+def _flag_setting(field: str, value) -> str:
+    flag = flag_name(_LAYER_SPLIT_FLAGS[field])
+    return flag if isinstance(value, bool) else f"{flag} {value}"
+
+
+def _check_layer_split(args: argparse.Namespace) -> None:
+    """The split of --num-layers over the pipeline chunks, as the model will build it."""
+    if args.num_layers is None:
+        return  # validate_training_args names it
+    split = argparse.Namespace(
+        num_layers=args.num_layers,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+    try:
+        check_layer_split(split, _flag_setting)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+
+
 def _check_layout(args: argparse.Namespace) -> None:
     for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "context_parallel_size", "num_distributed_optimizer_instances"):
@@ -146,6 +182,7 @@ def _check_layout(args: argparse.Namespace) -> None:
             f"--context-parallel-size {args.context_parallel_size} = {model_parallel}")
     args.data_parallel_size = args.world_size // model_parallel
     args.virtual_pipeline_model_parallel_size = _derive_virtual_pipeline_size(args)
+    _check_layer_split(args)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         # As upstream: sequence parallelism only exists inside tensor-parallel regions.
         args.sequence_parallel = False
@@ -173,9 +210,16 @@ def _check_layout(args: argparse.Namespace) -> None:
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError(f"--ddp-bucket-size must be >= 1 (elements), got "
                             f"{args.ddp_bucket_size}")
-    if args.defer_embedding_wgrad_compute and args.wgrad_deferral_limit < 0:
-        raise ArgumentError(f"--wgrad-deferral-limit must be >= 0, got "
-                            f"{args.wgrad_deferral_limit}")
+    if args.defer_embedding_wgrad_compute:
+        # Not tied to --gradient-accumulation-fusion as upstream is: the deferred GEMMs add
+        # into the gradient themselves, fused where the fusion is on.
+        if args.pipeline_model_parallel_size < 2:
+            raise ArgumentError("--defer-embedding-wgrad-compute moves the output layer's "
+                                "weight-gradient GEMMs into the pipeline flush, so it needs "
+                                "--pipeline-model-parallel-size >= 2")
+        if args.wgrad_deferral_limit < 0:
+            raise ArgumentError(f"--wgrad-deferral-limit must be >= 0 (0: every microbatch), "
+                                f"got {args.wgrad_deferral_limit}")
 
 
 def _check_precision(args: argparse.Namespace) -> None:

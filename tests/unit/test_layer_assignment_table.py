@@ -262,11 +262,12 @@ def test_hand_checked_splits(config, expected):
     (layout(8, 4, embedding=True), r"num_layers=8 plus 1 for the embedding/loss \(= 9 slots\) "
                                    r"does not divide evenly over pipeline_model_parallel_size=4"),
     (layout(6, 4, 2, embedding=True), "= 8 model chunks"),
-    (layout(8, 4, first=2, embedding=True), "are alternative ways to size the first and last"),
+    (layout(8, 4, first=2, embedding=True), "num_layers_in_first_pipeline_stage=2 and account_for_embedding_in_pipeline_split=True are "
+                                   "alternative"),
     (layout(8, 4, 2, first=3), "num_layers_in_first_pipeline_stage=3 must be >= 1 and a "
                                "multiple of the virtual pipeline size 2"),
-    (layout(4, 4, first=3, last=3), "do not fit num_layers=4"),
-    (layout(8, 1, first=2), "need pipeline_model_parallel_size=1 >= 2"),
+    (layout(4, 4, first=3, last=3), "leave -2 of num_layers=4 for 2 middle"),
+    (layout(8, 1, first=2), "needs pipeline_model_parallel_size=1 >= 2"),
 ])
 def test_refusals_name_the_settings(config, message):
     with pytest.raises(ValueError, match=message):

@@ -171,6 +171,10 @@ def test_interleaving_at_pp2_with_variable_lengths_and_batched_p2p_is_allowed():
          ["overlap_p2p_comm_warmup_flush", "overlap_p2p_comm"]),
         (dict(microbatch_group_size_per_vp_stage=1, **PIPELINED),
          ["microbatch_group_size_per_vp_stage=1", "pipeline_model_parallel_size=2"]),
+        (dict(defer_embedding_wgrad_compute=True),
+         ["defer_embedding_wgrad_compute=True", "pipeline_model_parallel_size > 1"]),
+        (dict(defer_embedding_wgrad_compute=True, wgrad_deferral_limit=-1, **PIPELINED),
+         ["wgrad_deferral_limit=-1 must be >= 0"]),
     ],
 )
 def test_invalid_settings_are_rejected_with_named_fields(kwargs, fields_in_message):
@@ -188,7 +192,6 @@ UNSUPPORTED_VALUES = {
     "expert_tensor_parallel_size": 2,
     "moe_extended_tp": True,
     "use_ring_exchange_p2p": True,
-    "defer_embedding_wgrad_compute": True,
     "pipeline_model_parallel_split_rank": 1,
     "cpu_offloading": True,
     "tp_comm_overlap": True,

@@ -13,6 +13,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from megatron.core.pipeline_parallel.embedding_wgrad import (
+    clear_embedding_activation_buffer, finish_embedding_wgrad_compute,
+)
 from megatron.core.pipeline_parallel.microbatch_step import (
     backward_step, check_first_val_step, deallocate_output_tensor, forward_step,
 )
@@ -115,6 +118,11 @@ class PlanExecutor:
         self.model_type = get_model_type(run.model_chunks[0])
         self.grad_sync = _GradSync(run.config, run.model_chunks, enabled=not self.forward_only)
         self.param_synced: set[int] = set()
+        # The module whose output layer defers weight gradients (last stage, training only).
+        self.deferring_module = None
+        if not self.forward_only and run.pipeline_rank == run.spec.pipeline_size - 1:
+            self.deferring_module = clear_embedding_activation_buffer(run.config,
+                                                                      run.model_chunks[-1])
 
     def _stage(self, chunk: int) -> int:
         return self.spec.stage(self.run.pipeline_rank, chunk)
@@ -250,6 +258,10 @@ class PlanExecutor:
             is_first_microbatch=check_first_val_step(run.first_val_step, self.forward_only, mb == 0),
             current_microbatch=mb, is_last_stage=is_last)
         self.total_num_tokens += torch.as_tensor(num_tokens).to(self.total_num_tokens.device).int()
+        if output is not None and output is input_tensor:
+            # A chunk without layers hands its input on. As a view it has a graph node to
+            # start the backward from, and freeing the sent output cannot free the input.
+            output = output.view_as(output)
         if not self.forward_only:
             self.inputs[key] = input_tensor
             self.outputs[key] = output
@@ -272,5 +284,8 @@ class PlanExecutor:
         with sync:
             input_grad = backward_step(input_tensor, output, output_grad, self.model_type,
                                        run.config)
+            if last and self._stage(chunk) == self.spec.num_stages - 1:
+                # The flush: deferred output-layer GEMMs run before any gradient reduction.
+                finish_embedding_wgrad_compute(run.config, self.deferring_module)
         if self._stage(chunk) > 0:
             self.input_grads[key] = input_grad

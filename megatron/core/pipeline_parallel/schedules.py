@@ -19,6 +19,9 @@ import functools
 from typing import Callable, Optional
 
 from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel.embedding_wgrad import (
+    clear_embedding_activation_buffer, finish_embedding_wgrad_compute,
+)
 from megatron.core.pipeline_parallel.microbatch_step import (
     backward_step, check_first_val_step, custom_backward, deallocate_output_tensor,
     forward_step, set_current_microbatch,
@@ -34,7 +37,8 @@ __all__ = [
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving", "forward_step", "backward_step",
     "custom_backward", "deallocate_output_tensor", "check_first_val_step",
-    "set_current_microbatch",
+    "set_current_microbatch", "clear_embedding_activation_buffer",
+    "finish_embedding_wgrad_compute",
 ]
 
 

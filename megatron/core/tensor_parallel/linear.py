@@ -108,10 +108,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
     ``skip_weight_param_allocation`` allocates no weight; ``forward`` then needs ``weight``
     (e.g. the tied word embeddings of an output layer).
     ``disable_grad_reduce`` leaves the input gradient as this rank's partial sum, for
-    callers that reduce it themselves. ``embedding_activation_buffer`` and
-    ``grad_output_buffer`` only serve ``defer_embedding_wgrad_compute``, which this tree
-    rejects; ``tp_comm_buffer_name`` only names Transformer Engine buffers. ``tp_group``
-    (our extension) overrides parallel_state's tensor-parallel group.
+    callers that reduce it themselves. With ``config.defer_embedding_wgrad_compute``,
+    ``grad_output_buffer`` and ``embedding_activation_buffer`` (lists, both or neither) make
+    this layer defer its weight gradient (see ``weight_grad``): the output layer of the last
+    pipeline stage. ``tp_comm_buffer_name`` only names Transformer Engine buffers.
+    ``tp_group`` (our extension) overrides parallel_state's tensor-parallel group.
     """
 
     def __init__(
@@ -131,8 +132,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
+        if (embedding_activation_buffer is None) != (grad_output_buffer is None):
+            raise ValueError("embedding_activation_buffer and grad_output_buffer defer the weight "
+                             "gradient together; pass both lists or neither")
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
+        self.defers_wgrad = (grad_output_buffer is not None
+                             and config.defer_embedding_wgrad_compute)
         self.output_size_per_partition = divide(output_size, self.tp_size)
         # Without sequence parallelism the input is replicated, so its gradient is summed.
         self.allreduce_dgrad = (
@@ -174,7 +180,9 @@ class ColumnParallelLinear(_ParallelLinearBase):
         runtime_gather_output: Optional[bool] = None,
     ):
         """``input_``: ``[s, b, input_size]`` (``[s/tp, b, input_size]`` with sequence parallel)."""
-        own_weight = weight is None  # a weight passed in (tied embeddings) has other grads too
+        # A weight passed in (tied embeddings) may get autograd gradients elsewhere too; a
+        # deferred one gets all of its gradient outside autograd.
+        own_weight = weight is None or self.defers_wgrad
         weight = self._weight_for_forward(weight)
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input_,
@@ -183,7 +191,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
             gradient_accumulation_fusion=self.gradient_accumulation_fusion and own_weight,
             allreduce_dgrad=self.allreduce_dgrad,
             sequence_parallel=self.sequence_parallel,
+            grad_output_buffer=self.grad_output_buffer if self.defers_wgrad else None,
+            wgrad_deferral_limit=self.config.wgrad_deferral_limit,
             tp_group=self.tp_group,
+            embedding_activation_buffer=(self.embedding_activation_buffer if self.defers_wgrad
+                                         else None),
         )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:

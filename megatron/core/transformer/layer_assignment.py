@@ -128,18 +128,17 @@ def check_layer_split(config: LayerLayout, setting: Callable[[str, object], str]
                 f"{setting('num_layers_in_first_pipeline_stage', 'N')} / "
                 f"{setting('num_layers_in_last_pipeline_stage', 'N')}")
         return
+    given = " and ".join(setting(name, value) for name, value in (
+        ("num_layers_in_first_pipeline_stage", first),
+        ("num_layers_in_last_pipeline_stage", last)) if value is not None)
     if embedding or loss:
-        raise ValueError(
-            f"{setting('num_layers_in_first_pipeline_stage', first)} / "
-            f"{setting('num_layers_in_last_pipeline_stage', last)} and "
-            f"{setting('account_for_embedding_in_pipeline_split', bool(embedding))} / "
-            f"{setting('account_for_loss_in_pipeline_split', bool(loss))} are alternative ways "
-            "to size the first and last stages; use one")
+        counted = " and ".join(setting(name, True) for name, value in (
+            ("account_for_embedding_in_pipeline_split", embedding),
+            ("account_for_loss_in_pipeline_split", loss)) if value)
+        raise ValueError(f"{given} and {counted} are alternative ways to size the first and "
+                         "last stages; use one")
     if pp < 2:
-        raise ValueError(
-            f"{setting('num_layers_in_first_pipeline_stage', first)} / "
-            f"{setting('num_layers_in_last_pipeline_stage', last)} need "
-            f"{setting('pipeline_model_parallel_size', pp)} >= 2")
+        raise ValueError(f"{given} needs {setting('pipeline_model_parallel_size', pp)} >= 2")
     for name, value in (("num_layers_in_first_pipeline_stage", first),
                         ("num_layers_in_last_pipeline_stage", last)):
         if value is not None and (value < 1 or value % vpp):
@@ -148,15 +147,14 @@ def check_layer_split(config: LayerLayout, setting: Callable[[str, object], str]
     middle_ranks = pp - (first is not None) - (last is not None)
     middle_layers = total - (first or 0) - (last or 0)
     if middle_layers < 0 or (middle_ranks == 0 and middle_layers != 0):
-        raise ValueError(
-            f"{setting('num_layers_in_first_pipeline_stage', first)} and "
-            f"{setting('num_layers_in_last_pipeline_stage', last)} do not fit "
-            f"{setting('num_layers', total)} over {setting('pipeline_model_parallel_size', pp)}")
+        raise ValueError(f"{given} leave {middle_layers} of {setting('num_layers', total)} "
+                         f"for {middle_ranks} middle pipeline ranks (of "
+                         f"{setting('pipeline_model_parallel_size', pp)})")
     if middle_ranks and middle_layers % (middle_ranks * vpp):
         raise ValueError(
             f"the {middle_layers} layers left for the {middle_ranks} middle pipeline ranks "
-            f"({setting('num_layers', total)} minus the first/last stages) do not divide evenly "
-            f"over them x the virtual pipeline size {vpp}")
+            f"({setting('num_layers', total)} minus {given}) do not divide evenly over them "
+            f"x the virtual pipeline size {vpp}")
 
 
 def layer_range(config: LayerLayout, stage: PipelineStage) -> range:

@@ -103,6 +103,11 @@ class GPTModel(LanguageModule):
                 tp_group=self.tp_group,
             )
             if post_process:
+                # With deferral the output layer keeps, per microbatch, its input and output
+                # gradient here until the pipeline flush (upstream's attribute names).
+                deferring = config.defer_embedding_wgrad_compute
+                self.embedding_activation_buffer = [] if deferring else None
+                self.grad_output_buffer = [] if deferring else None
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size,
                     vocab_size,
@@ -113,6 +118,8 @@ class GPTModel(LanguageModule):
                     gather_output=not parallel_output,
                     skip_weight_param_allocation=(
                         pre_process and share_embeddings_and_output_weights),
+                    embedding_activation_buffer=self.embedding_activation_buffer,
+                    grad_output_buffer=self.grad_output_buffer,
                     tp_group=self.tp_group,
                 )
         if pre_process or post_process:
