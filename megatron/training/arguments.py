@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.layer_assignment import check_layer_split
+from megatron.core.transformer.layer_assignment import check_layer_split, slots_per_pipeline_rank
 from megatron.training.flags.groups import ARGUMENT_GROUPS
 from megatron.training.flags.schema import (
     add_config_arguments, config_from_args, flag_name, refusals,
@@ -165,6 +165,14 @@ def _check_layer_split(args: argparse.Namespace) -> None:
         check_layer_split(split, _flag_setting)
     except ValueError as err:
         raise ArgumentError(str(err)) from None
+    empty = [rank for rank, slots in enumerate(slots_per_pipeline_rank(split)) if not slots]
+    if empty:
+        # Such a rank would have no parameters, and the optimizer needs some on every rank.
+        raise ArgumentError(
+            f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers leave "
+            f"pipeline ranks {empty} of --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size} without layers, and so without parameters "
+            f"to train; leave each rank at least one of the --num-layers {args.num_layers}")
 
 
 def _check_layout(args: argparse.Namespace) -> None:
