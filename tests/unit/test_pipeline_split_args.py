@@ -39,7 +39,7 @@ LAYOUTS = [  # (world size, flags); tests/distributed/test_gpt_split trains such
 
 
 @pytest.mark.parametrize("size, argv", LAYOUTS)
-def test_layouts_reach_the_config_and_pass_the_preflight(world, size, argv):
+def test_layouts_reach_the_config_and_pass_the_preflight(world, monkeypatch, size, argv):
     world(size)
     args = validated(*argv)
     config = core_transformer_config_from_args(args)
@@ -50,9 +50,11 @@ def test_layouts_reach_the_config_and_pass_the_preflight(world, size, argv):
     assert config.account_for_loss_in_pipeline_split == args.account_for_loss_in_pipeline_split
     assert config.defer_embedding_wgrad_compute == args.defer_embedding_wgrad_compute
     assert config.wgrad_deferral_limit == args.wgrad_deferral_limit
+    microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     for transport in ("gloo", "nccl"):
         args.distributed_backend = transport
-        training.preflight_pipeline_check(args)  # raises VerificationError on a bad schedule
+        monkeypatch.setattr(training, "_VERIFIED_MICROBATCH_COUNTS", set())  # a new job
+        training.preflight_pipeline_check(args, microbatches)  # raises VerificationError
 
 
 def test_num_layers_per_virtual_stage_counts_the_embedding_and_loss(world):

@@ -9,6 +9,17 @@ from megatron.core.pipeline_parallel.upstream_plans import upstream_batched_orde
 from megatron.training import training
 
 
+@pytest.fixture(autouse=True)
+def fresh_trainer(monkeypatch):
+    # The trainer proves each microbatch count once per process; every test is a new job.
+    monkeypatch.setattr(training, "_VERIFIED_MICROBATCH_COUNTS", set())
+
+
+def check(args) -> None:
+    microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    training.preflight_pipeline_check(args, microbatches)
+
+
 def trainer_args(pp, vpp, global_batch, **overrides):
     values = dict(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
                   global_batch_size=global_batch, micro_batch_size=1, data_parallel_size=1,
@@ -23,8 +34,7 @@ def trainer_args(pp, vpp, global_batch, **overrides):
     (2, 2, 4, False), (2, 2, 4, True), (4, 2, 8, False), (3, None, 5, False), (8, 4, 64, True),
 ])
 def test_our_layouts_pass(pp, vpp, m, overlap):
-    training.preflight_pipeline_check(
-        trainer_args(pp, vpp, m, overlap_p2p_comm=overlap, batch_p2p_comm=not overlap))
+    check(trainer_args(pp, vpp, m, overlap_p2p_comm=overlap, batch_p2p_comm=not overlap))
 
 
 def test_a_crossing_order_is_refused_with_the_verifiers_report(monkeypatch):
@@ -33,21 +43,20 @@ def test_a_crossing_order_is_refused_with_the_verifiers_report(monkeypatch):
         return verifier.verify(layout, transport=transport, ordering=upstream_batched_order)
     monkeypatch.setattr(training, "verify", upstream_order)
     with pytest.raises(verifier.VerificationError, match="crossed on channel"):
-        training.preflight_pipeline_check(trainer_args(2, 2, 4))
-    training.preflight_pipeline_check(trainer_args(4, 2, 8))  # the crossing is pp2-only
+        check(trainer_args(2, 2, 4))
+    check(trainer_args(4, 2, 8))  # the crossing is pp2-only
 
 
 def test_the_check_models_the_jobs_transport(monkeypatch):
     seen = []
     monkeypatch.setattr(training, "verify", lambda layout, *, transport: seen.append(
         (str(layout), transport)))
-    training.preflight_pipeline_check(trainer_args(2, 2, 4, distributed_backend="gloo"))
-    training.preflight_pipeline_check(trainer_args(4, None, 8, overlap_p2p_comm=True,
-                                                   batch_p2p_comm=False))
+    check(trainer_args(2, 2, 4, distributed_backend="gloo"))
+    check(trainer_args(4, None, 8, overlap_p2p_comm=True, batch_p2p_comm=False))
     assert seen == [("pp=2 vpp=2 m=4 variable batched", "gloo"),
                     ("pp=4 vpp=1 m=8 variable overlapped", "nccl")]
 
 
 def test_pipeline_size_one_needs_no_check(monkeypatch):
     monkeypatch.setattr(training, "verify", lambda *a, **k: pytest.fail("checked pp1"))
-    training.preflight_pipeline_check(trainer_args(1, None, 4))
+    check(trainer_args(1, None, 4))
