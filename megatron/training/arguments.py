@@ -21,6 +21,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.core.transformer.enums import AttnBackend
+from megatron.training.data_sources import (
+    DataSourceError, check_data_sources, get_blend_and_blend_per_split, sources_given,
+)
 from megatron.training.flags.groups import ARGUMENT_GROUPS
 from megatron.training.flags.schema import (
     add_config_arguments, config_from_args, flag_name, refusals,
@@ -246,8 +249,12 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
     if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load and an iteration >= 0")
-    if args.async_save and (args.save is None or args.ckpt_format != "torch_dist"):
-        raise ArgumentError("--async-save needs --save and --ckpt-format torch_dist")
+    if args.async_save and args.save is None:
+        raise ArgumentError("--async-save needs --save (where to write checkpoints)")
+    if not args.perform_initialization and args.load is None and \
+            args.pretrained_checkpoint is None:
+        raise ArgumentError("--no-initialization leaves the weights to a checkpoint: give "
+                            "--load or --pretrained-checkpoint")
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         raise ArgumentError("--use-checkpoint-opt_param-scheduler and "
                             "--override-opt_param-scheduler are alternatives; give one")
@@ -303,6 +310,10 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     _check_runtime(args)
     _check_checkpointing(args)
     _check_schedule(args)
+    try:
+        check_data_sources(args)
+    except DataSourceError as error:
+        raise ArgumentError(str(error)) from None
     _fill_model_defaults(args)
     return args
 
@@ -344,14 +355,27 @@ def validate_training_args(args: argparse.Namespace) -> None:
             "learned_absolute":
         raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
                             f"than --seq-length {args.seq_length}")
-    if not args.mock_data and not args.data_path:
-        raise ArgumentError("pretraining needs --data-path (or --mock-data for synthetic data)")
+    _check_training_data(args)
     if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):
         raise ArgumentError("pretraining needs --tokenizer-type (or --mock-data with "
                             "--vocab-size)")
     if args.wandb_project and not args.wandb_exp_name:
         raise ArgumentError("--wandb-project needs --wandb-exp-name")
     _check_learning_rate_schedule(args)
+
+
+def _check_training_data(args: argparse.Namespace) -> None:
+    if not sources_given(args):
+        raise ArgumentError("pretraining needs --data-path (or --data-args-path, per-split "
+                            "--train-data-path/--valid-data-path/--test-data-path or "
+                            "--per-split-data-args-path; --mock-data for synthetic data)")
+    try:
+        get_blend_and_blend_per_split(args)  # the files named are readable and well formed
+    except DataSourceError as error:
+        raise ArgumentError(str(error)) from None
+    if args.num_dataset_builder_threads < 1:
+        raise ArgumentError(f"--num-dataset-builder-threads must be >= 1, got "
+                            f"{args.num_dataset_builder_threads}")
 
 
 def _check_learning_rate_schedule(args: argparse.Namespace) -> None:
@@ -362,14 +386,25 @@ def _check_learning_rate_schedule(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--train-iters must be >= 1, got {args.train_iters}")
     if args.lr_decay_iters is not None and args.lr_decay_iters < 1:
         raise ArgumentError(f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    if not 0 <= args.lr_warmup_init <= args.lr:
+        raise ArgumentError(f"need 0 <= --lr-warmup-init ({args.lr_warmup_init}) <= --lr "
+                            f"({args.lr})")
+    if not 0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ArgumentError(f"need 0 <= --start-weight-decay ({args.start_weight_decay}) <= "
+                            f"--end-weight-decay ({args.end_weight_decay})")
+    decay, source = ((args.lr_decay_iters, "--lr-decay-iters") if args.lr_decay_iters
+                     else (args.train_iters, "--train-iters, as --lr-decay-iters is unset"))
+    if args.lr_decay_style == "WSD":
+        wsd = args.lr_wsd_decay_iters
+        if wsd is None or not 0 < wsd <= decay:
+            raise ArgumentError(f"--lr-decay-style WSD needs --lr-wsd-decay-iters (the "
+                                f"iterations of its annealing phase) between 1 and the decay "
+                                f"iterations, {decay} ({source}); got {wsd}")
     if args.lr_warmup_fraction is not None:
         if not 0 <= args.lr_warmup_fraction < 1:
             raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got "
                                 f"{args.lr_warmup_fraction}")
-        return
-    decay, source = ((args.lr_decay_iters, "--lr-decay-iters") if args.lr_decay_iters
-                     else (args.train_iters, "--train-iters, as --lr-decay-iters is unset"))
-    if not 0 <= args.lr_warmup_iters < decay:
+    elif not 0 <= args.lr_warmup_iters < decay:
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the "
                             f"decay iterations, {decay} ({source})")
 

@@ -54,6 +54,7 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         # As upstream's trainer: a sent activation keeps only its autograd graph.
         deallocate_pipeline_outputs=True,
         use_cpu_initialization=args.use_cpu_initialization,
+        perform_initialization=args.perform_initialization,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         init_seed=args.seed,
     )

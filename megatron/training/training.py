@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from datetime import datetime
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel.verify import Layout, VerificationError, ve
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import metrics_writers
+from megatron.training.checkpoint import pending
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.arguments import ArgumentError, validate_training_args
 from megatron.training.config_builders import ddp_config_from_args, optimizer_config_from_args
@@ -101,7 +102,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     config = step_config(model, optimizer, timers)
 
     iteration, consumed = 0, 0
-    if args.load:
+    if args.load or args.pretrained_checkpoint:
         iteration, consumed = _checkpointing().load_checkpoint(model, optimizer, scheduler)
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
         train_valid_test_dataset_provider, consumed, len(model))
@@ -120,6 +121,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 def _leave_together() -> None:
     """End every rank's process groups once all ranks are done: a rank whose connections close
     while a peer's transport threads still read from them can abort that peer at exit."""
+    pending.wait_for_pending()  # an --async-save checkpoint still being written
     if not dist.is_initialized():
         return
     dist.barrier()
@@ -207,21 +209,51 @@ def step_config(model: list, optimizer, timers: Timers):
     return config
 
 
-def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """Learning rate (and weight decay) per sample consumed, as upstream counts steps."""
-    args = get_args()
-    decay_iters = args.lr_decay_iters or args.train_iters
-    decay_steps = decay_iters * args.global_batch_size
+class ScheduleSteps(NamedTuple):
+    """Lengths of the learning-rate and weight-decay schedules, in samples (upstream's steps)."""
+
+    decay: int
+    warmup: float
+    weight_decay_increase: int
+    wsd_decay: Optional[int]
+
+
+def schedule_steps(args) -> ScheduleSteps:
+    """The schedule of iteration-based training (--train-iters), converted to samples.
+
+    Sample-based training (--train-samples) gives the same lengths in samples directly:
+    decay --lr-decay-samples (default --train-samples), warm-up --lr-warmup-samples (or
+    --lr-warmup-fraction of the decay), weight-decay increase --train-samples, WSD annealing
+    --lr-wsd-decay-samples; that branch belongs here.
+    """
+    samples_per_iteration = args.global_batch_size
+    decay = (args.lr_decay_iters or args.train_iters) * samples_per_iteration
     if args.lr_warmup_fraction is not None:
-        warmup_steps = int(args.lr_warmup_fraction * decay_steps)
+        warmup = args.lr_warmup_fraction * decay  # a float, as upstream passes it
     else:
-        warmup_steps = args.lr_warmup_iters * args.global_batch_size
+        warmup = args.lr_warmup_iters * samples_per_iteration
+    wsd_decay = (args.lr_wsd_decay_iters * samples_per_iteration
+                 if args.lr_wsd_decay_iters is not None else None)
+    return ScheduleSteps(decay=decay, warmup=warmup,
+                         weight_decay_increase=args.train_iters * samples_per_iteration,
+                         wsd_decay=wsd_decay)
+
+
+def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
+    """Learning rate and weight decay per sample consumed, as upstream counts steps. On --load
+    the checkpoint's schedule settings are taken (--use-checkpoint-opt_param-scheduler), this
+    command line's kept (--override-opt_param-scheduler), or, with neither, must agree."""
+    args = get_args()
+    steps = schedule_steps(args)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant")
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=steps.warmup, lr_decay_steps=steps.decay,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=steps.weight_decay_increase,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=steps.wsd_decay, lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
 def setup_model_and_optimizer(model_provider_func: Callable,

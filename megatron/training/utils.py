@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Upstream's place of the data-source helper.
+from megatron.training.data_sources import get_blend_and_blend_per_split  # noqa: F401
+
 
 def is_last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1

@@ -338,6 +338,11 @@ def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_chunks.save(state, directory)
     if common is not None:
-        torch.save(common, os.path.join(directory, COMMON_FILE))
-        with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-            json.dump(SHARDED_BACKEND, f)
+        write_common(directory, common)
+
+
+def write_common(directory: str, common: dict[str, Any]) -> None:
+    """``common.pt`` and ``metadata.json``: what one process writes beside the tensors."""
+    torch.save(common, os.path.join(directory, COMMON_FILE))
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(SHARDED_BACKEND, f)
