@@ -22,7 +22,7 @@ import torch
 
 from megatron.core.transformer.enums import AttnBackend
 from megatron.training.data_sources import (
-    DataSourceError, check_data_sources, get_blend_and_blend_per_split, sources_given,
+    DataSourceError, check_data_sources, check_training_data,
 )
 from megatron.training.flags.groups import ARGUMENT_GROUPS
 from megatron.training.flags.schema import (
@@ -355,27 +355,16 @@ def validate_training_args(args: argparse.Namespace) -> None:
             "learned_absolute":
         raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
                             f"than --seq-length {args.seq_length}")
-    _check_training_data(args)
+    try:
+        check_training_data(args)
+    except DataSourceError as error:
+        raise ArgumentError(str(error)) from None
     if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):
         raise ArgumentError("pretraining needs --tokenizer-type (or --mock-data with "
                             "--vocab-size)")
     if args.wandb_project and not args.wandb_exp_name:
         raise ArgumentError("--wandb-project needs --wandb-exp-name")
     _check_learning_rate_schedule(args)
-
-
-def _check_training_data(args: argparse.Namespace) -> None:
-    if not sources_given(args):
-        raise ArgumentError("pretraining needs --data-path (or --data-args-path, per-split "
-                            "--train-data-path/--valid-data-path/--test-data-path or "
-                            "--per-split-data-args-path; --mock-data for synthetic data)")
-    try:
-        get_blend_and_blend_per_split(args)  # the files named are readable and well formed
-    except DataSourceError as error:
-        raise ArgumentError(str(error)) from None
-    if args.num_dataset_builder_threads < 1:
-        raise ArgumentError(f"--num-dataset-builder-threads must be >= 1, got "
-                            f"{args.num_dataset_builder_threads}")
 
 
 def _check_learning_rate_schedule(args: argparse.Namespace) -> None:

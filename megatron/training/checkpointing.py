@@ -85,6 +85,9 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     raises the same one-line CheckpointError and the tracker keeps naming the last complete
     checkpoint."""
     args = get_args()
+    if pending.still_writing():
+        print_rank_0("WARNING: Starting a checkpoint save before previous has finished. Consider "
+                     "increasing the checkpoint interval.")
     pending.wait_for_pending()
     final = checkpoint_dir(args.save, iteration)
     partial = final + ".partial"

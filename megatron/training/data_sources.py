@@ -69,7 +69,8 @@ def _read(path: str, flag: str) -> str:
         with open(path) as f:
             return f.read()
     except OSError as error:
-        raise DataSourceError(f"{flag} {path}: cannot read it ({error.strerror or error})") from None
+        raise DataSourceError(f"{flag} {path}: cannot read it "
+                              f"({error.strerror or error})") from None
 
 
 def _per_split_file(path: str) -> list[Optional[Blend]]:
@@ -111,3 +112,16 @@ def get_blend_and_blend_per_split(args) -> tuple[Optional[Blend], Optional[list[
     if any(words is not None for words in paths):
         return None, [_blend(words, flag) for words, flag in zip(paths, PER_SPLIT_FLAGS)]
     return None, None
+
+
+def check_training_data(args) -> None:
+    """What pretraining needs of its data: one source, and the files it names readable and
+    well formed (read now, before any process group exists)."""
+    if not sources_given(args):
+        raise DataSourceError("pretraining needs --data-path (or --data-args-path, per-split "
+                              "--train-data-path/--valid-data-path/--test-data-path or "
+                              "--per-split-data-args-path; --mock-data for synthetic data)")
+    get_blend_and_blend_per_split(args)
+    if args.num_dataset_builder_threads < 1:
+        raise DataSourceError(f"--num-dataset-builder-threads must be >= 1, got "
+                              f"{args.num_dataset_builder_threads}")

@@ -197,3 +197,14 @@ def test_the_loader_builds_only_masks_that_say_more_than_causal(monkeypatch, cor
         tokens = sample["tokens"]
         after = int((tokens[:-1] == EOD).nonzero()[0]) + 1
         assert sample["attention_mask"][0, after, :after].all()
+
+
+def test_dataset_builder_threads_build_the_same_blend(monkeypatch, corpora):
+    blend = ["1", corpora["train"], "1", corpora["valid"], "1", corpora["test"]]
+    _, one = provider_config(monkeypatch, "--data-path", *blend, *SPLIT)
+    _, three = provider_config(monkeypatch, "--data-path", *blend, *SPLIT,
+                               "--num-dataset-builder-threads", "3")
+    assert three.num_dataset_builder_threads == 3
+    serial, threaded = build(one)[0], build(three)[0]
+    assert [serial[i]["tokens"].tolist() for i in range(len(serial))] == \
+        [threaded[i]["tokens"].tolist() for i in range(len(threaded))]

@@ -4,9 +4,10 @@ torch.distributed.checkpoint stores raw tensor bytes without checksums, so a sha
 a full disk or changed by bad storage would load silently. Each rank checksums the files it
 wrote (``digests_of_my_files``), while they are still in its page cache, and rank 0 writes
 ``manifest.json`` from everyone's (``write_manifest``, collective, or ``save_job``, which hands
-them over in files); the checkpoint is renamed into place only after that. ``verify_checkpoint`` (collective, before anything is read) splits the listed files
-across the ranks by size, each rank checks the size and checksum of its share, and every rank
-raises the same one-line CheckpointError naming the first bad file. Nothing here knows the
+them over in files); the checkpoint is renamed into place only after that.
+``verify_checkpoint`` (collective, before anything is read) splits the listed files across the
+ranks by size, each rank checks the size and checksum of its share, and every rank raises the
+same one-line CheckpointError naming the first bad file. Nothing here knows the
 layout of a checkpoint: whatever directories and files it holds are listed and checked.
 """
 

@@ -15,6 +15,11 @@ def set_pending(job: Any) -> None:
     _job = job
 
 
+def still_writing() -> bool:
+    """Whether this rank's part of the background save is still being written or published."""
+    return _job is not None and _job.busy()
+
+
 def wait_for_pending() -> None:
     """Until the background save (if any) is written and published; raises its CheckpointError
     on every rank where it failed (collective: every rank calls it at the same point)."""

@@ -59,11 +59,14 @@ def _first_cause(error: BaseException) -> str:
 
 
 def attempt(step: Callable[[], object]) -> Optional[str]:
-    """Run ``step``; None, or why it failed on this rank. An error that is no failed write (a
-    bug) also prints its traceback, so that it is not reduced to one line unseen."""
+    """Run ``step``; None, or why it failed on this rank. A CheckpointError (a checkpoint this
+    run cannot write, decided alike on every rank) goes through; an error that is no failed
+    write (a bug) also prints its traceback, so that it is not reduced to one line unseen."""
     try:
         step()
         return None
+    except CheckpointError:
+        raise
     except Exception as error:
         # torch.save reports a failed write as a RuntimeError of its stream writer.
         written = isinstance(error, (OSError, CheckpointException)) or (
@@ -186,6 +189,10 @@ class SaveJob:
             self._publisher = threading.Thread(target=self._publish, name="checkpoint-publish",
                                                daemon=True)
             self._publisher.start()
+
+    def busy(self) -> bool:
+        return any(thread is not None and thread.is_alive()
+                   for thread in (self._writer, self._publisher))
 
     def wait(self) -> None:
         """Until the background save is written and published (collective)."""
