@@ -12,7 +12,6 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -20,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.training import get_args, get_timers, get_tokenizer
 from megatron.training.config_builders import core_transformer_config_from_args
+from megatron.training.data_sources import get_blend_and_blend_per_split
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 
@@ -92,20 +92,29 @@ def is_dataset_built_on_rank() -> bool:
 
 
 def core_gpt_dataset_config_from_args(args) -> GPTDatasetConfig:
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
     return GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path) if not args.mock_data else None,
-        split=args.split or ("969,30,1" if not args.mock_data else None),
-        path_to_cache=args.data_cache_path, tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split or ("969,30,1" if blend is not None else None),
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.reset_attention_mask,
+        # Attention is causal without a mask (the model drops a merely causal one), so the
+        # loader builds only masks that say more: documents kept apart.
+        create_attention_mask=(args.create_attention_mask_in_dataloader
+                               and args.reset_attention_mask),
         pack_sequences=not args.variable_seq_lengths)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     args = get_args()
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        print_rank_0("note: --no-create-attention-mask-in-dataloader: no attention mask is built, "
+                     "so --reset-attention-mask has no effect (attention crosses documents), as "
+                     "upstream")
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples,
                                          is_dataset_built_on_rank,

@@ -36,6 +36,17 @@ _SETTING_KEYS: dict[str, tuple[str, ...]] = {
 _STEP_KEYS = ("num_steps", "num_iters")
 
 
+class ScheduleMismatchError(ValueError):
+    """A schedule setting of the constructor differs from the checkpoint's being loaded."""
+
+    def __init__(self, name: str, ours: Any, saved: Any) -> None:
+        super().__init__(
+            f"OptimizerParamScheduler: {name} is {ours!r} here but {saved!r} in the "
+            f"checkpoint; set use_checkpoint_opt_param_scheduler to take the checkpoint's "
+            f"or override_opt_param_scheduler to keep this one")
+        self.name, self.ours, self.saved = name, ours, saved
+
+
 def _cosine_ramp(fraction: float) -> float:
     """0 at fraction 0, rising along half a cosine to 1 at fraction 1."""
     return 0.5 * (1.0 - math.cos(math.pi * fraction))
@@ -177,10 +188,7 @@ class OptimizerParamScheduler:
             logger.info("overriding %s with %r", name, ours)
             return ours
         if not self.use_checkpoint_opt_param_scheduler and ours != saved:
-            raise ValueError(
-                f"OptimizerParamScheduler: {name} is {ours!r} here but {saved!r} in the "
-                f"checkpoint; set use_checkpoint_opt_param_scheduler to take the checkpoint's "
-                f"or override_opt_param_scheduler to keep this one")
+            raise ScheduleMismatchError(name, ours, saved)
         logger.info("using checkpoint value %r for %s", saved, name)
         return saved
 

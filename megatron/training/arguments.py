@@ -22,6 +22,9 @@ import torch
 
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.layer_assignment import check_layer_split, slots_per_pipeline_rank
+from megatron.training.data_sources import (
+    DataSourceError, check_data_sources, check_training_data,
+)
 from megatron.training.flags.groups import ARGUMENT_GROUPS
 from megatron.training.flags.schema import (
     add_config_arguments, config_from_args, flag_name, refusals,
@@ -325,8 +328,12 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
     if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load and an iteration >= 0")
-    if args.async_save and (args.save is None or args.ckpt_format != "torch_dist"):
-        raise ArgumentError("--async-save needs --save and --ckpt-format torch_dist")
+    if args.async_save and args.save is None:
+        raise ArgumentError("--async-save needs --save (where to write checkpoints)")
+    if not args.perform_initialization and args.load is None and \
+            args.pretrained_checkpoint is None:
+        raise ArgumentError("--no-initialization leaves the weights to a checkpoint: give "
+                            "--load or --pretrained-checkpoint")
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         raise ArgumentError("--use-checkpoint-opt_param-scheduler and "
                             "--override-opt_param-scheduler are alternatives; give one")
@@ -383,6 +390,10 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     _check_model_flags(args)
     _check_checkpointing(args)
     _check_schedule(args)
+    try:
+        check_data_sources(args)
+    except DataSourceError as error:
+        raise ArgumentError(str(error)) from None
     _fill_model_defaults(args)
     return args
 
@@ -421,11 +432,10 @@ def validate_training_args(args: argparse.Namespace) -> None:
             "learned_absolute":
         raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
                             f"than --seq-length {args.seq_length}")
-    sources = (args.data_path, args.train_data_path, args.valid_data_path, args.test_data_path,
-               args.data_args_path, args.per_split_data_args_path)
-    if not args.mock_data and not any(sources):
-        raise ArgumentError("pretraining needs --data-path (or per-split data paths, or "
-                            "--mock-data for synthetic data)")
+    try:
+        check_training_data(args)
+    except DataSourceError as error:
+        raise ArgumentError(str(error)) from None
     if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):
         raise ArgumentError("pretraining needs --tokenizer-type (or --mock-data with "
                             "--vocab-size)")
@@ -465,23 +475,36 @@ def _check_learning_rate_schedule(args: argparse.Namespace) -> None:
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ArgumentError("--decoupled-min-lr needs --decoupled-lr")
     unit = "samples" if args.train_samples is not None else "iters"
+    unit_name = "samples" if unit == "samples" else "iterations"
     total = getattr(args, f"train_{unit}")
     if total < 1:
         raise ArgumentError(f"--train-{unit} must be >= 1, got {total}")
     decay = getattr(args, f"lr_decay_{unit}")
     if decay is not None and decay < 1:
         raise ArgumentError(f"--lr-decay-{unit} must be >= 1, got {decay}")
+    if not 0 <= args.lr_warmup_init <= args.lr:
+        raise ArgumentError(f"need 0 <= --lr-warmup-init ({args.lr_warmup_init}) <= --lr "
+                            f"({args.lr})")
+    if not 0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ArgumentError(f"need 0 <= --start-weight-decay ({args.start_weight_decay}) <= "
+                            f"--end-weight-decay ({args.end_weight_decay})")
+    decay, source = ((decay, f"--lr-decay-{unit}") if decay
+                     else (total, f"--train-{unit}, as --lr-decay-{unit} is unset"))
+    if args.lr_decay_style == "WSD":
+        wsd = getattr(args, f"lr_wsd_decay_{unit}")
+        if wsd is None or not 0 < wsd <= decay:
+            raise ArgumentError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the "
+                                f"{unit_name} of its annealing phase) between 1 and the decay "
+                                f"{unit_name}, {decay} ({source}); got {wsd}")
     if args.lr_warmup_fraction is not None:
         if not 0 <= args.lr_warmup_fraction < 1:
             raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1), got "
                                 f"{args.lr_warmup_fraction}")
-        return
-    decay, source = ((decay, f"--lr-decay-{unit}") if decay
-                     else (total, f"--train-{unit}, as --lr-decay-{unit} is unset"))
-    warmup = getattr(args, f"lr_warmup_{unit}")
-    if not 0 <= warmup < decay:
-        raise ArgumentError(f"--lr-warmup-{unit} {warmup} must be smaller than the decay "
-                            f"{'iterations' if unit == 'iters' else 'samples'}, {decay} ({source})")
+    else:
+        warmup = getattr(args, f"lr_warmup_{unit}")
+        if not 0 <= warmup < decay:
+            raise ArgumentError(f"--lr-warmup-{unit} {warmup} must be smaller than the decay "
+                                f"{unit_name}, {decay} ({source})")
 
 
 def agreement_items(args: argparse.Namespace) -> list[tuple[str, Any]]:

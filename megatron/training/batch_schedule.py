@@ -64,7 +64,7 @@ def train_samples(args: argparse.Namespace) -> int:
 class ScheduleSteps:
     """The schedules' lengths in samples."""
 
-    lr_warmup_steps: int
+    lr_warmup_steps: float  # a fraction of the decay stays fractional, as upstream passes it
     lr_decay_steps: int
     wd_incr_steps: int
     wsd_decay_steps: Optional[int]
@@ -84,6 +84,6 @@ def schedule_steps(args: argparse.Namespace) -> ScheduleSteps:
         wd_incr = args.train_iters * batch
         wsd = args.lr_wsd_decay_iters * batch if args.lr_wsd_decay_iters is not None else None
     if args.lr_warmup_fraction is not None:
-        warmup = int(args.lr_warmup_fraction * decay)
+        warmup = args.lr_warmup_fraction * decay
     return ScheduleSteps(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=wd_incr,
                          wsd_decay_steps=wsd)

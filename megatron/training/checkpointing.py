@@ -15,49 +15,57 @@ Model weights and optimizer state are stored whole under layout-free names (laye
 global, tensor-parallel shards joined; ``checkpoint.optimizer_state``), so a checkpoint saved at
 one tp x pp x vpp x dp layout resumes at another, optimizer included; where the vocabulary is
 padded to another size there, the rows both have in common are loaded. RNG states are per rank
-and restored at the same layout only. A checkpoint is written into ``iter_N.partial`` and
-renamed only once every rank finished, and the tracker file is replaced atomically after that: a crash mid-save leaves
-the previous checkpoint untouched (the next save removes what it left). A save that fails (a
-full disk) ends every rank with one line naming the directory. Loading checks every file
-against the manifest first (``checkpoint.integrity``) and names the first missing, truncated or
-corrupt one.
+and restored at the same layout only. ``--ckpt-format torch_dist`` writes upstream's format
+instead (``checkpoint.dist_save``).
+
+A checkpoint is written into ``iter_N.partial``, renamed only once every rank finished, and the
+tracker file is replaced atomically after that (``checkpoint.save_job``): a crash mid-save
+leaves the previous checkpoint untouched (the next save removes what it left). With
+--async-save the tensors are written in the background while training goes on; the next save
+and every exit wait for it. Replicated tensors are written by all their replicas in turn
+(--ckpt-fully-parallel-save, the default) or by the first; --ckpt-assume-constant-structure
+reuses the save plan. A save that fails (a full disk) ends every rank with one line naming the
+directory. Loading checks every file against the manifest first (``checkpoint.integrity``) and
+names the first missing, truncated or corrupt one; --ckpt-fully-parallel-load reads each tensor
+once per data-parallel group (``checkpoint.parallel_load``). Where --load holds no checkpoint,
+--pretrained-checkpoint gives the weights (as --finetune), --exit-on-missing-checkpoint ends the
+run, and --no-initialization is an error.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import resource
 import shutil
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.dist_save import save_torch_dist
+from megatron.core import parallel_state
+from megatron.training.checkpoint import dcp_save, integrity, pending, save_job, upstream_dist
+from megatron.training.checkpoint.dist_save import torch_dist_state
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import (
     TRACKER,
     detect_format,
-    open_checkpoint,
     iteration_dir,
+    open_checkpoint,
+    tracked_iteration_dir,
 )
 from megatron.training.checkpoint.layout_free import FORMAT_VERSION, LayoutFreeSource
-from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
+from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, to_host
 from megatron.training.checkpoint.optimizer_state import (
     group_settings,
     optimizer_state_to_save,
     restore_optimizer,
     restore_scheduler,
 )
+from megatron.training.checkpoint.parallel_load import read_once
 from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
-from megatron.training.checkpoint.model_tensors import join_shards, model_tensors
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
 
@@ -72,10 +80,15 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     consumed_samples: int) -> None:
-    """Write checkpoint ``iteration`` under --save. Where writing fails (a full disk), every rank
+    """Write checkpoint ``iteration`` under --save: now, or with --async-save in the background
+    (a previous background save completes first). Where writing fails (a full disk), every rank
     raises the same one-line CheckpointError and the tracker keeps naming the last complete
     checkpoint."""
     args = get_args()
+    if pending.still_writing():
+        print_rank_0("WARNING: Starting a checkpoint save before previous has finished. Consider "
+                     "increasing the checkpoint interval.")
+    pending.wait_for_pending()
     final = checkpoint_dir(args.save, iteration)
     partial = final + ".partial"
     first = not dist.is_initialized() or dist.get_rank() == 0
@@ -83,64 +96,28 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     for chunk in model:  # --overlap-param-gather leaves the last step's all-gathers to come
         if getattr(chunk, "use_forward_hook", False):
             chunk.start_param_sync(force_sync=True)
+    planned: list[dcp_save.PlannedSave] = []
     # Each step ends with the ranks agreeing it succeeded everywhere, so a rank whose write
     # failed never leaves the others waiting in the next step's collectives.
     steps = (
         lambda: _prepare(partial, args) if first else None,
-        lambda: _write_state(partial, iteration, model, optimizer, opt_param_scheduler,
-                             consumed_samples),
-        lambda: integrity.write_manifest(partial),
-        lambda: _publish(partial, final, args.save, iteration) if first else None,
+        lambda: planned.extend(_write_state(partial, iteration, model, optimizer,
+                                            opt_param_scheduler, consumed_samples)),
     )
     for step in steps:
-        failure = _failure_anywhere(step)
+        failure = save_job.first_failure(save_job.attempt(step))
         if failure is not None:
             if first:
                 shutil.rmtree(partial, ignore_errors=True)  # give the space back
-            raise CheckpointError(
-                f"cannot write checkpoint {partial}: the disk is full or the write failed "
-                f"({failure}; {_free_space(args.save)}); "
-                f"{os.path.join(args.save, TRACKER)} still names the last complete checkpoint")
-    print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d}")
-
-
-def _failure_anywhere(step) -> Optional[str]:
-    """Run ``step`` here; the first rank's reason where it failed on any rank, else None."""
-    mine = None
-    try:
-        step()
-    except (OSError, RuntimeError, CheckpointException) as error:
-        # torch.save reports a failed write as a RuntimeError of its stream writer; any other
-        # RuntimeError is a bug, not a full disk.
-        if isinstance(error, RuntimeError) and "PytorchStreamWriter" not in str(error):
-            raise
-        mine = _first_cause(error)
-        if not isinstance(error, CheckpointException):  # which names the rank already
-            mine = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {mine}"
-    return next((cause for cause in from_every_rank(mine) if cause is not None), None)
-
-
-def _first_cause(error: BaseException) -> str:
-    """One line on why a write failed; DCP wraps each rank's exception in its own type."""
-    if isinstance(error, CheckpointException):
-        rank = min(error.failures)
-        return f"rank {rank}: {_first_cause(error.failures[rank][0])}"
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
-def _free_space(root: str) -> str:
-    """The room left for a checkpoint: free bytes there, and a file size limit where one is set."""
-    try:
-        room = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
-    except OSError:
-        room = "free space unknown"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY:
-        room += f", files limited to {limit / 2**20:.2f} MiB (ulimit -f)"
-    return room
+            raise save_job.write_error(partial, args.save, failure)
+    job = save_job.SaveJob(partial, final, args.save, iteration, planned)
+    if not args.async_save:
+        job.run()
+        return
+    job.start()
+    pending.set_pending(job)
+    print_rank_0(f"  scheduled an async checkpoint save at iteration {iteration:7d} to "
+                 f"{args.save}")
 
 
 def _remove_partials(root: str) -> None:
@@ -159,23 +136,32 @@ def _prepare(partial: str, args) -> None:
 
 
 def _write_state(partial: str, iteration: int, model, optimizer, opt_param_scheduler,
-                 consumed_samples: int) -> None:
+                 consumed_samples: int) -> list[dcp_save.PlannedSave]:
+    """Write this rank's small files and plan the tensors' DCP saves (collective)."""
     args = get_args()
     rank = dist.get_rank() if dist.is_initialized() else 0
     saved_args = {k: v for k, v in vars(args).items() if _plain(v)}
+    private, spread = args.async_save, args.ckpt_fully_parallel_save
+
+    def plan(state: dict, directory: str, kind: str) -> dcp_save.PlannedSave:
+        return dcp_save.plan(state, directory, spread=spread,  # one cached plan per kind
+                             cache_key=kind if args.ckpt_assume_constant_structure else None)
+
     if args.ckpt_format == "torch_dist":  # upstream's format, its plain optimizers' layout
-        save_torch_dist(model, partial, iteration=iteration, args=saved_args,
-                        consumed_samples=consumed_samples,
-                        scheduler_state=opt_param_scheduler.state_dict(),
-                        optimizer=None if args.no_save_optim else optimizer)
-        return
-    state = {name: join_shards(tensor.detach(), param).cpu()
+        state, common = torch_dist_state(
+            model, iteration=iteration, args=saved_args, consumed_samples=consumed_samples,
+            scheduler_state=opt_param_scheduler.state_dict(),
+            optimizer=None if args.no_save_optim else optimizer, private=private, spread=spread)
+        if common is not None:
+            upstream_dist.write_common(partial, common)
+        return [plan(state, partial, "torch_dist")]
+    state = {name: to_host(join_shards(tensor.detach(), param), private)
              for name, tensor, param in model_tensors(model)}
-    dcp.save(state, checkpoint_id=os.path.join(partial, "model"))
+    planned = [plan(state, os.path.join(partial, "model"), "model")]
     optimizer_common = {}
     if not args.no_save_optim:
-        dcp.save(optimizer_state_to_save(model, optimizer),
-                 checkpoint_id=os.path.join(partial, "optimizer"))
+        planned.append(plan(optimizer_state_to_save(model, optimizer, spread),
+                            os.path.join(partial, "optimizer"), "optimizer"))
         optimizer_common["param_group_settings"] = group_settings(optimizer)
         if getattr(optimizer, "grad_scaler", None) is not None:
             optimizer_common["grad_scaler"] = optimizer.grad_scaler.state_dict()
@@ -188,17 +174,7 @@ def _write_state(partial: str, iteration: int, model, optimizer, opt_param_sched
                     **optimizer_common,
                     "args": saved_args},
                    os.path.join(partial, "common.pt"))
-
-
-def _publish(partial: str, final: str, root: str, iteration: int) -> None:
-    """Make the checkpoint the latest: rename it into place, then replace the tracker."""
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    tracker = os.path.join(root, TRACKER)
-    with open(tracker + ".tmp", "w") as f:
-        f.write(str(iteration))
-    os.replace(tracker + ".tmp", tracker)
+    return planned
 
 
 def _plain(value) -> bool:
@@ -236,23 +212,28 @@ def _check_compatible(saved: dict, args, path: str) -> bool:
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
-    """Restore from ``--load``; returns (iteration, consumed samples), (0, 0) if none there."""
+    """Restore from ``--load``, or, where it holds no checkpoint, start from the weights of
+    ``--pretrained-checkpoint`` as ``--finetune`` does; returns (iteration, consumed samples),
+    (0, 0) where there is nothing to load."""
     args = get_args()
-    path = iteration_dir(args.load, args.ckpt_step)
+    path = _checkpoint_to_load(args)
     if path is None:
-        print_rank_0(f"WARNING: no {TRACKER} in {args.load}: starting from scratch")
         return 0, 0
     if not os.path.isdir(path):
         name = os.path.basename(path)
         named = f"iteration {int(name[5:])}" if name.startswith("iter_") else repr(name)
-        raise CheckpointError(f"{os.path.join(args.load, TRACKER)} names {named}, but {path} "
-                              f"does not exist")
-    if detect_format(path) != "layout_free":  # upstream's torch or torch_dist
-        return load_upstream_checkpoint(model, optimizer, opt_param_scheduler, path, args)
-    if not integrity.verify_checkpoint(path):
+        raise CheckpointError(f"{os.path.join(os.path.dirname(path), TRACKER)} names {named}, "
+                              f"but {path} does not exist")
+    layout_free = detect_format(path) == "layout_free"
+    if layout_free and not integrity.verify_checkpoint(path):
         print_rank_0(f"WARNING: checkpoint {path} has no {integrity.MANIFEST} (saved before "
                      f"manifests were written): its files are not checked")
     source = open_checkpoint(path)
+    if args.ckpt_fully_parallel_load:
+        source = read_once(source, parallel_state.get_data_parallel_group()
+                           if dist.is_initialized() else None)
+    if not layout_free:  # upstream's torch or torch_dist
+        return load_upstream_checkpoint(model, optimizer, opt_param_scheduler, source, args)
     common, iteration = source.common, source.iteration
     same_layout = _check_compatible(source.args, args, path)
     load_model_tensors(model, source)
@@ -269,6 +250,43 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         _set_rng_state(torch.load(rng_file, weights_only=False))
     print_rank_0(f"  loaded checkpoint from {path} at iteration {iteration}")
     return iteration, common["consumed_samples"]
+
+
+def _checkpoint_to_load(args) -> Optional[str]:
+    """The iteration directory to load from; None to start from scratch. Stops the run where
+    --exit-on-missing-checkpoint asks to, and where --no-initialization left the weights to a
+    checkpoint that is not there."""
+    path = iteration_dir(args.load, args.ckpt_step) if args.load else None
+    if path is None and args.pretrained_checkpoint:
+        path = tracked_iteration_dir(args.pretrained_checkpoint)
+        if path is None:
+            raise CheckpointError(f"--pretrained-checkpoint {args.pretrained_checkpoint} holds "
+                                  f"no checkpoint (no {TRACKER})"
+                                  + (f", nor does --load {args.load}" if args.load else ""))
+        print_rank_0(f"no checkpoint in --load {args.load}: starting from the weights of "
+                     f"--pretrained-checkpoint {args.pretrained_checkpoint} as --finetune does")
+        args.finetune = True  # as upstream: weights only, iteration 0
+    if path is not None or not args.load:
+        return path
+    if args.exit_on_missing_checkpoint:
+        print_rank_0(f">> '--exit-on-missing-checkpoint' set ... exiting. << (no {TRACKER} in "
+                     f"{args.load})")
+        _exit_everywhere()
+    if not args.perform_initialization:
+        raise CheckpointError(f"--no-initialization leaves the weights to a checkpoint, but "
+                              f"--load {args.load} holds none (no {TRACKER}); drop "
+                              f"--no-initialization to start from random weights")
+    print_rank_0(f"WARNING: no {TRACKER} in {args.load}: starting from scratch")
+    return None
+
+
+def _exit_everywhere() -> None:
+    """End the run on every rank (each took the same decision) with exit code 0, as upstream."""
+    if dist.is_initialized():
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    raise SystemExit(0)
 
 
 def _load_optimizer(source: LayoutFreeSource, model, optimizer, same_layout: bool) -> None:

@@ -32,9 +32,10 @@ from megatron.core.pipeline_parallel.verify import Layout, VerificationError, ve
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import metrics_writers, progress_log, run_clock
+from megatron.training.checkpoint import pending
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.arguments import ArgumentError, validate_training_args
-from megatron.training.batch_schedule import resolve_train_iters, schedule_steps, train_samples
+from megatron.training.batch_schedule import resolve_train_iters, train_samples
 from megatron.training.checkpoint_and_exit import (
     checkpoint_and_decide_exit, save_checkpoint_and_time,
 )
@@ -49,6 +50,7 @@ from megatron.training.loop_args import validate_loop_args
 from megatron.training.loop_hooks import LoopHooks
 from megatron.training.memory import empty_unused_memory, start_memory_history
 from megatron.training.param_checks import WeightHashMismatch
+from megatron.training.lr_schedule import optimizer_param_scheduler_from_args
 from megatron.training.rendezvous import StartupError
 from megatron.training.run_clock import print_datetime
 from megatron.training.signals import SigtermWatcher
@@ -131,7 +133,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type)
     config = step_config(model, optimizer, timers)
     iteration, consumed = 0, 0
-    if args.load:
+    if args.load or args.pretrained_checkpoint:
         iteration, consumed = _checkpointing().load_checkpoint(model, optimizer, scheduler)
     progress_log.job_resumed_from(consumed)
     timers("model-and-optimizer-setup").stop()
@@ -172,6 +174,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 def _leave_together() -> None:
     """End every rank's process groups once all ranks are done: a rank whose connections close
     while a peer's transport threads still read from them can abort that peer at exit."""
+    pending.wait_for_pending()  # an --async-save checkpoint still being written
     if not dist.is_initialized():
         return
     dist.barrier()
@@ -279,15 +282,9 @@ def _start_param_sync_of(chunks: list) -> Callable:
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """Learning rate (and weight decay) per sample consumed, as upstream counts steps."""
-    args = get_args()
-    steps = schedule_steps(args)
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=steps.lr_warmup_steps, lr_decay_steps=steps.lr_decay_steps,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=steps.wd_incr_steps,
-        wd_incr_style="constant")
+    """Learning rate and weight decay per sample consumed, as upstream counts steps
+    (``lr_schedule``)."""
+    return optimizer_param_scheduler_from_args(optimizer, get_args())
 
 
 def setup_model_and_optimizer(model_provider_func: Callable,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Upstream's place of the data-source helper.
+from megatron.training.data_sources import get_blend_and_blend_per_split  # noqa: F401
+
 
 def collective_device(group=None) -> torch.device:
     """Where a tensor for a collective on ``group`` (default: all ranks) must live."""

@@ -118,7 +118,7 @@ def test_flags_reach_the_config(one_rank):
     default = config_of("--init-method-std", "0.5", "--seed", "9")
     assert default.perform_initialization and default.init_seed == 9
     assert default.init_method is not torch.nn.init.xavier_uniform_
-    assert not config_of("--no-initialization").perform_initialization
+    assert not config_of("--no-initialization", "--load", "ckpt").perform_initialization
     xavier = config_of("--init-method-xavier-uniform")
     assert xavier.init_method is xavier.output_layer_init_method is torch.nn.init.xavier_uniform_
 

@@ -320,7 +320,7 @@ def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
         spec = MODELS[label.split("/")[0]]
         model, optimizer, scheduler = optimizer_and_scheduler(our_model(spec, 1, pp), distributed)
         set_args(argparse.Namespace(**spec["args"], load=root, ckpt_step=None, finetune=False,
-                                    no_load_optim=False))
+                                    no_load_optim=False, ckpt_fully_parallel_load=False))
         iteration, _ = load_checkpoint([model], optimizer, scheduler)
         found.append((label, iteration, scheduler.num_steps,
                       sorted({group["lr"] for group in optimizer.param_groups}),

@@ -4,6 +4,10 @@
 tensor-parallel shards.
 ``integrity``: the manifest of every file's size and CRC-32, written at save, checked at load.
 ``errors``: CheckpointError, the one-line error of a checkpoint that cannot be loaded or written.
+Saving: ``dcp_save`` cuts a torch.distributed.checkpoint save into plan / write / finish;
+``save_job`` writes a checkpoint's tensors and publishes it, now or in the background
+(``pending``: the one being written, --async-save). Loading: ``parallel_load`` reads each
+tensor once per data-parallel group (--ckpt-fully-parallel-load).
 Interoperation with upstream (issue 15): ``formats`` detects a directory's format and opens its
 reader (``source``): ``layout_free`` (this tree), ``upstream_torch`` (legacy per-rank files),
 ``upstream_dist`` (torch_dist); ``upstream_names`` maps local/TE names and tensor-parallel cuts;

@@ -84,7 +84,7 @@ def _lookup(state_dict: dict, index: MetadataIndex):
     return value.__get_tensor_shard__(index) if isinstance(value, TensorPieces) else value
 
 
-class _PiecesSavePlanner(DefaultSavePlanner):
+class PiecesSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         return _lookup(self.state_dict, index)
 
@@ -102,7 +102,7 @@ class _PiecesLoadPlanner(DefaultLoadPlanner):
 
 def save(state: dict[str, Any], directory: str) -> None:
     """``dcp.save`` of tensors, ``TensorPieces`` and picklable objects (stored as bytes)."""
-    dcp.save(state, checkpoint_id=directory, planner=_PiecesSavePlanner(flatten_state_dict=False))
+    dcp.save(state, checkpoint_id=directory, planner=PiecesSavePlanner(flatten_state_dict=False))
 
 
 def load(state: dict[str, Any], directory: str) -> None:

@@ -1,8 +1,9 @@
 """Save a training run as upstream's ``torch_dist`` checkpoint (``--ckpt-format torch_dist``),
 which megatron-core loads at any layout.
 
-Collective: every rank joins its tensor-parallel shards; the ranks of tensor- and data-parallel
-rank 0 write the layers their chunks hold, so each piece is written once. Beside the model and
+Collective: every rank joins its tensor-parallel shards and offers the layers its chunks hold;
+the plan of the save has each piece written once (``dcp_save``: spread over the replicas with
+``--ckpt-fully-parallel-save``, else by the first). Beside the model and
 the scheduler goes the optimizer state (unless ``--no-save-optim``) in the layout of upstream's
 plain (non-distributed) optimizers, whatever optimizer trained here: ``optimizer.state.<kind>.
 <model key>`` shaped and layer-stacked like the weight it belongs to (kind exp_avg, exp_avg_sq,
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.training.checkpoint import upstream_dist
 from megatron.training.checkpoint.errors import CheckpointError
-from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, unwrap
+from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, to_host, unwrap
 from megatron.training.checkpoint.optimizer_state import (
     STEP,
     group_settings,
@@ -36,13 +37,13 @@ from megatron.training.checkpoint.upstream_names import to_local
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
-def _add_optimizer_state(state: dict[str, Any], model_chunks, optimizer,
-                         num_layers: int) -> Optional[torch.Tensor]:
+def _add_optimizer_state(state: dict[str, Any], model_chunks, optimizer, num_layers: int,
+                         spread: bool) -> Optional[torch.Tensor]:
     """Add this rank's share of the optimizer tensors; returns the step count every parameter
     shares (collective)."""
     first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     steps = set()
-    for key, whole in optimizer_state_to_save(model_chunks, optimizer).items():
+    for key, whole in optimizer_state_to_save(model_chunks, optimizer, spread).items():
         kind, name = split_optimizer_key(key)
         if kind == STEP:
             steps.add(float(whole))
@@ -56,27 +57,28 @@ def _add_optimizer_state(state: dict[str, Any], model_chunks, optimizer,
     return torch.tensor(steps.pop(), dtype=torch.float32) if steps else None
 
 
-def save_torch_dist(model_chunks, directory: str, *, iteration: int, args: dict[str, Any],
-                    consumed_samples: int, scheduler_state: Optional[dict],
-                    optimizer=None) -> None:
-    """Write ``directory``; ``optimizer`` None saves no optimizer state (``--no-save-optim``)."""
-    writes = (parallel_state.get_tensor_model_parallel_rank() == 0
-              and parallel_state.get_data_parallel_rank() == 0)
+def torch_dist_state(model_chunks, *, iteration: int, args: dict[str, Any], consumed_samples: int,
+                     scheduler_state: Optional[dict], optimizer=None, private: bool = False,
+                     spread: bool = True) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """(this rank's DCP state, ``common.pt`` on rank 0 else None), collective. Every rank
+    offers the weights it holds (the save's plan picks one writer per replicated piece);
+    ``optimizer`` None saves no optimizer state (``--no-save-optim``); ``private``: tensors are
+    copies that training does not change (for a save in the background); ``spread``: the
+    optimizer's tensors are assembled on all data-parallel ranks by turns, else on the first."""
     state: dict[str, Any] = {}
     num_layers = unwrap(model_chunks[0]).config.num_layers
     for chunk in model_chunks:
         model = unwrap(chunk)
         for name, tensor, param in model_tensors([chunk]):
-            whole = join_shards(tensor.detach(), param).cpu()
+            whole = to_host(join_shards(tensor.detach(), param), private)
             # A later stage's tied output layer is a copy of the first stage's embeddings.
-            if writes and not (name == WORD_EMBEDDINGS and not model.pre_process):
+            if not (name == WORD_EMBEDDINGS and not model.pre_process):
                 upstream_dist.add_tensor(state, to_local(name), whole, num_layers)
-        if writes:
-            for index in model.decoder.global_layer_indices:
-                upstream_dist.add_layer_extra_state(state, index, num_layers)
+        for index in model.decoder.global_layer_indices:
+            upstream_dist.add_layer_extra_state(state, index, num_layers)
     optimizer_common = None
     if optimizer is not None:
-        step = _add_optimizer_state(state, model_chunks, optimizer, num_layers)
+        step = _add_optimizer_state(state, model_chunks, optimizer, num_layers, spread)
         groups = group_settings(optimizer, every_key=True)
         scaler = getattr(optimizer, "grad_scaler", None)
         optimizer_common = upstream_dist.optimizer_common_state(
@@ -85,4 +87,14 @@ def save_torch_dist(model_chunks, directory: str, *, iteration: int, args: dict[
     first = not dist.is_initialized() or dist.get_rank() == 0
     common = (upstream_dist.common_state(iteration, args, consumed_samples, scheduler_state,
                                          optimizer_common) if first else None)
+    return state, common
+
+
+def save_torch_dist(model_chunks, directory: str, *, iteration: int, args: dict[str, Any],
+                    consumed_samples: int, scheduler_state: Optional[dict],
+                    optimizer=None) -> None:
+    """Write ``directory`` now (collective); ``optimizer`` None saves no optimizer state."""
+    state, common = torch_dist_state(model_chunks, iteration=iteration, args=args,
+                                     consumed_samples=consumed_samples,
+                                     scheduler_state=scheduler_state, optimizer=optimizer)
     upstream_dist.write(state, directory, common)

@@ -1,12 +1,13 @@
 """A checkpoint's manifest: every file with its size and CRC-32, written at save, checked at load.
 
 torch.distributed.checkpoint stores raw tensor bytes without checksums, so a shard cut short by
-a full disk or changed by bad storage would load silently. ``write_manifest`` (collective, after
-every rank wrote its files) has each rank checksum the files it wrote, while they are still in
-its page cache, and rank 0 write ``manifest.json``; the checkpoint is renamed into place only
-after that. ``verify_checkpoint`` (collective, before anything is read) splits the listed files
-across the ranks by size, each rank checks the size and checksum of its share, and every rank
-raises the same one-line CheckpointError naming the first bad file. Nothing here knows the
+a full disk or changed by bad storage would load silently. Each rank checksums the files it
+wrote (``digests_of_my_files``), while they are still in its page cache, and rank 0 writes
+``manifest.json`` from everyone's (``write_manifest``, collective, or ``save_job``, which hands
+them over in files); the checkpoint is renamed into place only after that.
+``verify_checkpoint`` (collective, before anything is read) splits the listed files across the
+ranks by size, each rank checks the size and checksum of its share, and every rank raises the
+same one-line CheckpointError naming the first bad file. Nothing here knows the
 layout of a checkpoint: whatever directories and files it holds are listed and checked.
 """
 
@@ -78,22 +79,33 @@ def _rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
+def digests_of_my_files(directory: str, rank: int, world_size: int,
+                        skip: Optional[str] = None) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files of ``directory`` that ``rank`` wrote (but those under the
+    folder ``skip``)."""
+    return {name: file_digest(os.path.join(directory, name)) for name in list_files(directory)
+            if writer_rank(name, world_size) == rank
+            and not (skip and name.startswith(skip + "/"))}
+
+
+def write_manifest_file(directory: str, files: dict[str, dict[str, int]]) -> None:
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump({"version": MANIFEST_VERSION, "files": dict(sorted(files.items()))}, f,
+                  indent=1)
+
+
 def write_manifest(directory: str) -> None:
     """Record every file of ``directory`` in its manifest (collective; call once every rank has
     written its files)."""
     rank, world_size = _rank_and_size()
-    mine = {name: file_digest(os.path.join(directory, name)) for name in list_files(directory)
-            if writer_rank(name, world_size) == rank}
+    mine = digests_of_my_files(directory, rank, world_size)
     everyone: list[Optional[dict]] = [mine]
     if world_size > 1:
         everyone = [None] * world_size if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
-    if rank != 0:
-        return
-    files = {name: digest for share in everyone for name, digest in share.items()}
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump({"version": MANIFEST_VERSION, "files": dict(sorted(files.items()))}, f,
-                  indent=1)
+    if rank == 0:
+        write_manifest_file(directory, {name: digest for share in everyone
+                                        for name, digest in share.items()})
 
 
 def read_manifest(directory: str) -> Optional[dict[str, dict[str, int]]]:

@@ -58,6 +58,12 @@ def join_shards(tensor: torch.Tensor, param) -> torch.Tensor:
     return assemble_shards(shards, param)
 
 
+def to_host(tensor: torch.Tensor, private: bool = False) -> torch.Tensor:
+    """``tensor`` in host memory; ``private``: a copy even where it already is there, so that
+    training goes on changing the model while a background save writes this one."""
+    return tensor.to("cpu", copy=True) if private else tensor.cpu()
+
+
 def my_shard(whole: torch.Tensor, param) -> torch.Tensor:
     """This rank's part of ``whole`` (the inverse of ``join_shards``)."""
     if not is_tp_sharded(param):

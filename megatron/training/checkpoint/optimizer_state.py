@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer import MainParamPiece
+from megatron.core.optimizer_param_scheduler import ScheduleMismatchError
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.model_tensors import (
     VOCAB_PARALLEL,
@@ -94,9 +95,10 @@ class _Layout:
             return 1, 0
         return dist.get_world_size(group), dist.get_rank(group)
 
-    def writer(self, index: int) -> tuple[int, int]:
-        """(tp rank, dp rank) that writes the ``index``-th name: turns, for balance."""
-        turn = index % (self.tp_size * self.dp_size)
+    def writer(self, index: int, spread: bool = True) -> tuple[int, int]:
+        """(tp rank, dp rank) that writes the ``index``-th name: turns, for balance (over the
+        first data-parallel rank only unless ``spread``)."""
+        turn = index % (self.tp_size * (self.dp_size if spread else 1))
         return turn % self.tp_size, turn // self.tp_size
 
 
@@ -154,8 +156,11 @@ def _assemble_step(slot: _Slot, layout: _Layout, writer: tuple[int, int],
     return value.cpu()
 
 
-def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer) -> dict[str, Any]:
-    """The entries of ``optimizer/`` this rank writes; every rank must call it (collective)."""
+def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer,
+                            spread: bool = True) -> dict[str, Any]:
+    """The entries of ``optimizer/`` this rank writes; every rank must call it (collective).
+    ``spread``: the writers take turns over all data-parallel ranks, else only the first
+    data-parallel rank writes (``--no-ckpt-fully-parallel-save``)."""
     layout = _Layout(optimizer)
     keys = _state_keys(optimizer)
     entries: dict[str, Any] = {}
@@ -163,7 +168,7 @@ def optimizer_state_to_save(model_chunks, optimizer: MegatronOptimizer) -> dict[
         return entries
     with torch.no_grad():
         for index, slot in enumerate(_slots(model_chunks, optimizer)):
-            writer = layout.writer(index)
+            writer = layout.writer(index, spread)
             for key in keys:
                 whole = _assemble(slot, layout, writer,
                                   lambda piece: optimizer.optimizer.state[piece.main][key])
@@ -253,28 +258,34 @@ def load_optimizer_state(source: CheckpointSource, model_chunks,
     """Fill this rank's optimizer state from the whole tensors ``source`` offers (this tree's
     ``optimizer/`` directory or upstream's ``torch_dist`` optimizer state).
 
-    No collectives: each rank reads what it needs, a batch at a time. Call after the model
-    weights and ``reload_model_params`` so main parameters the checkpoint lacks come from the
-    weights.
+    Each rank reads what it needs, a batch at a time, without collectives, unless the source
+    reads collectively (``parallel_load``): then the ranks agree on the tensors to read first
+    and read them in the same batches. Call after the model weights and
+    ``reload_model_params`` so main parameters the checkpoint lacks come from the weights.
     """
     if optimizer.init_state_fn is not None:
         optimizer.init_state_fn(optimizer.optimizer)
     shapes = source.optimizer_shapes()
+    requests = {request[0]: request for request in _load_requests(source, model_chunks, optimizer)}
+    keys = list(requests)
+    if getattr(source, "collective", False):
+        keys = source.agree_on(keys)
     batch, size = [], 0
-    for request in _load_requests(source, model_chunks, optimizer) + [None]:
-        if request is not None:
-            batch.append(request)
-            size += 4 * shapes[request[0]].numel()
-        if batch and (request is None or size >= _LOAD_BATCH_BYTES):
-            _load_batch(source, batch)
+    for key in keys + [None]:
+        if key is not None:
+            batch.append(key)
+            size += 4 * shapes[key].numel()
+        if batch and (key is None or size >= _LOAD_BATCH_BYTES):
+            wholes = source.read_optimizer(batch)
+            for read in batch:
+                if read in requests:
+                    _apply(requests[read], wholes[read])
             batch, size = [], 0
 
 
-def _load_batch(source: CheckpointSource, batch) -> None:
-    wholes = source.read_optimizer([key for key, *_ in batch])
-    for key, setter, slot, fill in batch:
-        whole = wholes[key]
-        setter(whole if slot is None else _my_part(whole, slot, fill).to(torch.float32))
+def _apply(request: tuple, whole: torch.Tensor) -> None:
+    _, setter, slot, fill = request
+    setter(whole if slot is None else _my_part(whole, slot, fill).to(torch.float32))
 
 
 def restore_optimizer(source: CheckpointSource, model_chunks, optimizer: MegatronOptimizer
@@ -291,6 +302,17 @@ def restore_optimizer(source: CheckpointSource, model_chunks, optimizer: Megatro
         optimizer.grad_scaler.load_state_dict(source.grad_scaler_state)
 
 
+# The flags behind each schedule setting the scheduler compares with a checkpoint's.
+_SCHEDULE_FLAGS = {
+    "max_lr": "--lr", "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters or --lr-warmup-fraction, in samples",
+    "lr_decay_steps": "--lr-decay-iters or --train-iters, in samples",
+    "lr_decay_style": "--lr-decay-style", "start_wd": "--start-weight-decay or --weight-decay",
+    "end_wd": "--end-weight-decay or --weight-decay",
+    "wd_incr_steps": "--train-iters, in samples", "wd_incr_style": "--weight-decay-incr-style",
+}
+
+
 def restore_scheduler(scheduler, source: CheckpointSource) -> None:
     """The learning-rate scheduler's state of ``source`` (upstream's keys are this tree's)."""
     if source.scheduler_state is None:
@@ -298,6 +320,13 @@ def restore_scheduler(scheduler, source: CheckpointSource) -> None:
                               f"state: add --no-load-optim")
     try:
         scheduler.load_state_dict(source.scheduler_state)
+    except ScheduleMismatchError as error:
+        flags = _SCHEDULE_FLAGS.get(error.name, error.name)
+        raise CheckpointError(
+            f"the learning-rate schedule of {source.path} differs from this run's: "
+            f"{error.name} ({flags}) is {error.saved!r} there, {error.ours!r} here; add "
+            f"--use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule or "
+            f"--override-opt_param-scheduler to keep this command line's") from None
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"cannot load the scheduler state of {source.path}: "
                               f"{str(error).splitlines()[0]}") from None

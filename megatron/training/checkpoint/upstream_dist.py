@@ -31,14 +31,13 @@ import json
 import math
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron.training.checkpoint import dcp_chunks
+from megatron.training.checkpoint import dcp_chunks, dcp_save
 from megatron.training.checkpoint.source import (
     OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
 )
@@ -334,10 +333,13 @@ def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]
     """Write this process's part (collective when torch.distributed is initialised); the
     process that passes ``common`` also writes ``metadata.json`` and ``common.pt``."""
     os.makedirs(directory, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_chunks.save(state, directory)
+    dcp_save.save(state, directory)
     if common is not None:
-        torch.save(common, os.path.join(directory, COMMON_FILE))
-        with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-            json.dump(SHARDED_BACKEND, f)
+        write_common(directory, common)
+
+
+def write_common(directory: str, common: dict[str, Any]) -> None:
+    """``common.pt`` and ``metadata.json``: what one process writes beside the tensors."""
+    torch.save(common, os.path.join(directory, COMMON_FILE))
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(SHARDED_BACKEND, f)

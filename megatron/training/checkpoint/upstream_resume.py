@@ -18,18 +18,24 @@ optimizer and the scheduler start afresh.
 
 from __future__ import annotations
 
+from typing import Union
+
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import restore_optimizer, restore_scheduler
+from megatron.training.checkpoint.source import CheckpointSource
 from megatron.training.utils import print_rank_0
 
 
-def load_upstream_checkpoint(model, optimizer, opt_param_scheduler, path: str,
-                             args) -> tuple[int, int]:
-    """Load the upstream iteration directory ``path``; returns (iteration, consumed samples)."""
-    source = open_checkpoint(path)
+def load_upstream_checkpoint(model, optimizer, opt_param_scheduler,
+                             source: Union[str, CheckpointSource], args) -> tuple[int, int]:
+    """Load an upstream iteration directory (its path, or opened: ``source``); returns
+    (iteration, consumed samples)."""
+    if isinstance(source, str):
+        source = open_checkpoint(source)
+    path = source.path
     difference = shape_difference(source.args, args)
     if difference:
         raise CheckpointError(f"checkpoint {path} ({source.format}) is of another model shape: "

@@ -37,16 +37,18 @@ class CheckpointingArgs:
         "does")
     ckpt_step: Optional[int] = option(None, "iteration of --load to resume from (default: the "
                                       "one its latest_checkpointed_iteration.txt names)")
-    perform_initialization: bool = option(True, "skip the random initialisation of the weights "
-                                          "(they are loaded anyway)",
+    perform_initialization: bool = option(True, "skip the random initialisation of the weights: "
+                                          "they come from the checkpoint of --load (or "
+                                          "--pretrained-checkpoint)",
                                           negative=("--no-initialization",))
     use_checkpoint_args: bool = unavailable(False, _FROM_CHECKPOINT_ARGS)
     use_mp_args_from_checkpoint_args: bool = unavailable(False, _FROM_CHECKPOINT_ARGS)
     use_tokenizer_model_from_checkpoint_args: bool = unavailable(
         True, _FROM_CHECKPOINT_ARGS,
         negative=("--no-use-tokenizer-model-from-checkpoint-args",))
-    exit_on_missing_checkpoint: bool = option(False, "stop if --load holds no checkpoint "
-                                              "instead of training from scratch")
+    exit_on_missing_checkpoint: bool = option(False, "stop (exit code 0, as upstream) if --load "
+                                              "holds no checkpoint instead of training from "
+                                              "scratch")
     use_dist_ckpt_deprecated: bool = option(False, "", flags=("--use-dist-ckpt",),
                                             accepted="no effect, as upstream; the format is "
                                             "--ckpt-format")
@@ -67,17 +69,20 @@ class CheckpointingArgs:
     ckpt_convert_save: Optional[str] = unavailable(None, _CONVERT)
     ckpt_convert_update_legacy_dist_opt_format: bool = unavailable(False, _CONVERT)
     ckpt_fully_parallel_save: bool = option(
-        True, "torch_dist saves spread the writing of replicated tensors over the data-parallel "
-        "ranks (else the first replica writes them)", flags=("--ckpt-fully-parallel-save",),
+        True, "spread the writing of replicated tensors (model and optimizer) over the ranks "
+        "that hold them, balanced by bytes (else the first replica writes them); the files "
+        "differ, their content does not", flags=("--ckpt-fully-parallel-save",),
         negative=("--no-ckpt-fully-parallel-save",))
-    async_save: bool = option(False, "write torch_dist checkpoints in the background while "
-                              "training goes on (the next save or the exit waits for it)")
+    async_save: bool = option(False, "write checkpoints (torch_dist or layout_free) in the "
+                              "background while training goes on; the tracker names one only "
+                              "once complete on every rank, and the next save and every exit "
+                              "wait for it")
     ckpt_fully_parallel_load: bool = option(
-        False, "torch_dist loads read each replicated tensor once, on one data-parallel rank, "
-        "and broadcast it to the others")
+        False, "read each tensor of a checkpoint once per data-parallel group and broadcast it "
+        "to the group's other ranks (else every replica reads it)")
     ckpt_assume_constant_structure: bool = option(
-        False, "reuse the first torch_dist save's plan for later saves (the model and optimizer "
-        "do not change shape)")
+        False, "reuse the previous save's plan while no rank's part changes shape (torch's "
+        "planner caching, where this torch has it), instead of exchanging plans every save")
     dist_ckpt_strictness: str = option(
         "assume_ok_unexpected", "missing keys are errors and unexpected keys are ignored",
         choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",

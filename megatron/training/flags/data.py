@@ -22,10 +22,11 @@ class DataArgs:
                                                   "split, optionally weighted", nargs="*")
     test_data_path: Optional[list[str]] = option(None, "dataset prefixes of the test split, "
                                                  "optionally weighted", nargs="*")
-    data_args_path: Optional[str] = option(None, "a file holding the --data-path values")
+    data_args_path: Optional[str] = option(None, "a file holding the --data-path values "
+                                           "(instead of --data-path)")
     per_split_data_args_path: Optional[str] = option(
-        None, 'a JSON file {"train": [...], "valid": [...], "test": [...]} of per-split '
-        "--data-path values")
+        None, 'a JSON file {"train": [...], "valid": [...], "test": [...]} of the '
+        "--train/valid/test-data-path values (instead of those flags)")
     data_cache_path: Optional[str] = option(None, "directory for cached dataset indices")
     mmap_bin_files: bool = option(True, "memory-map the .bin files (else read each sample "
                                   "from the file)", negative=("--no-mmap-bin-files",))
@@ -45,9 +46,11 @@ class DataArgs:
     reset_attention_mask: bool = option(False, "no attention across end of document")
     eod_mask_loss: bool = option(False, "no loss on end-of-document tokens")
     create_attention_mask_in_dataloader: bool = option(
-        True, "build the attention mask in the data loader (causal attention needs none unless "
-        "--reset-attention-mask)", negative=("--no-create-attention-mask-in-dataloader",))
+        True, "build attention masks in the data loader; only --reset-attention-mask's say more "
+        "than the causal mask attention applies without one, so only those are built (turned "
+        "off, --reset-attention-mask has no effect, as upstream)",
+        negative=("--no-create-attention-mask-in-dataloader",))
     num_dataset_builder_threads: int = option(
-        1, "", accepted="the datasets of a blend are built one after another")
+        1, "threads building the datasets of a blend's prefixes")
     s3_cache_path: Optional[str] = unavailable(None, "datasets are read from local or mounted "
                                                "file systems only")

@@ -115,7 +115,9 @@ class TrainingArgs:
     add_qkv_bias: bool = option(False, "bias in the QKV projection only")
     optimizer: str = option("adam", "optimizer", choices=("adam", "sgd"))
     dataloader_type: Optional[str] = option(
-        None, "single: each sample once per pass, in the dataset's order (the only kind here)",
+        None, "single (the only kind here): the training samples in the dataset's order, each "
+        "once, resumed after the consumed samples; unlike upstream's, validation starts again "
+        "at its first sample on a resume",
         choices=("single", "cyclic", "external"),
         refused="only the 'single' data loader is implemented",
         refuse_if=lambda value: value not in (None, "single"))
