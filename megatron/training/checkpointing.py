@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.training.checkpoint import dcp_save, integrity, pending, save_job, upstream_dist
-from megatron.training.checkpoint.dist_save import torch_dist_state
+from megatron.training.checkpoint import dcp_save, integrity, pending, save_job
+from megatron.training.checkpoint.dist_save import plan_torch_dist
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import (
     TRACKER,
@@ -147,14 +147,9 @@ def _write_state(partial: str, iteration: int, model, optimizer, opt_param_sched
         return dcp_save.plan(state, directory, spread=spread,  # one cached plan per kind
                              cache_key=kind if args.ckpt_assume_constant_structure else None)
 
-    if args.ckpt_format == "torch_dist":  # upstream's format, its plain optimizers' layout
-        state, common = torch_dist_state(
-            model, iteration=iteration, args=saved_args, consumed_samples=consumed_samples,
-            scheduler_state=opt_param_scheduler.state_dict(),
-            optimizer=None if args.no_save_optim else optimizer, private=private, spread=spread)
-        if common is not None:
-            upstream_dist.write_common(partial, common)
-        return [plan(state, partial, "torch_dist")]
+    if args.ckpt_format == "torch_dist":  # upstream's format
+        return plan_torch_dist(partial, iteration, model, optimizer, opt_param_scheduler,
+                               consumed_samples, args, saved_args)
     state = {name: to_host(join_shards(tensor.detach(), param), private)
              for name, tensor, param in model_tensors(model)}
     planned = [plan(state, os.path.join(partial, "model"), "model")]

@@ -99,6 +99,10 @@ class _PiecesLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
 
+    def load_bytes(self, read_item, value) -> None:
+        # Stored objects come back as their bytes: the caller decides how to unpickle them.
+        self.state_dict[read_item.dest_index.fqn] = value.read()
+
 
 def save(state: dict[str, Any], directory: str) -> None:
     """``dcp.save`` of tensors, ``TensorPieces`` and picklable objects (stored as bytes)."""
@@ -107,7 +111,8 @@ def save(state: dict[str, Any], directory: str) -> None:
 
 def load(state: dict[str, Any], directory: str) -> None:
     """``dcp.load`` into tensors and ``TensorPieces`` (filled in place), by this process alone:
-    ranks read what each needs, so they need not call it together."""
+    ranks read what each needs, so they need not call it together. A stored object's entry
+    (any placeholder) is replaced by the object's bytes, not unpickled."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,

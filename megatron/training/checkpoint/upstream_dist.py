@@ -38,6 +38,9 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.training.checkpoint import dcp_chunks, dcp_save
+from megatron.training.checkpoint.sharded_objects import (
+    RERUN_STATE, RNG_STATE, decode, object_key, parse_key,
+)
 from megatron.training.checkpoint.source import (
     OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
 )
@@ -146,9 +149,11 @@ class DistSource(CheckpointSource):
         self._key_shapes = {}
         self._unreadable: list[str] = []  # why optimizer keys cannot be read (weights still can)
         shapes, dtypes = {}, {}
+        self._object_keys = set()  # sharded objects: extra state, RNG and rerun states
         for key, entry in metadata.state_dict_metadata.items():
             if not isinstance(entry, TensorStorageMetadata):
-                continue  # pickled objects: extra state, RNG states
+                self._object_keys.add(key)
+                continue
             self._key_shapes[key] = entry.size
             original = (flattened.get(key) or {}).get(_FLATTENED_SHAPE)
             try:
@@ -172,6 +177,33 @@ class DistSource(CheckpointSource):
                          grad_scaler_state=_saved_grad_scaler(optimizer))
         self._steps = _saved_steps(optimizer)
         self._sharding = _saved_sharding_types(optimizer)
+
+    def _read_object(self, name: str, pipeline_rank: int, tensor_rank: int) -> Any:
+        """This rank's shard of the sharded object ``name`` at the saved (pp, tp) layout, or
+        None where the checkpoint has none for that rank."""
+        shape = (int(self.args.get("pipeline_model_parallel_size") or 1),
+                 int(self.args.get("tensor_model_parallel_size") or 1))
+        key = object_key(name, (pipeline_rank, tensor_rank), shape)
+        if key not in self._object_keys:
+            return None
+        state: dict[str, Any] = {key: None}
+        try:
+            dcp_chunks.load(state, self.path)
+        except Exception as error:  # DCP reports unreadable files in its own exception types
+            raise CheckpointFormatError(f"cannot read {key} of {self.path}: "
+                                        f"{str(error).splitlines()[0]}") from None
+        return decode(state[key], f"{self.path} {key}")
+
+    def rng_states(self, pipeline_rank: int, tensor_rank: int) -> Optional[list]:
+        return self._read_object(RNG_STATE, pipeline_rank, tensor_rank)
+
+    def rerun_state(self, pipeline_rank: int, tensor_rank: int) -> Optional[dict]:
+        return self._read_object(RERUN_STATE, pipeline_rank, tensor_rank)
+
+    def object_layouts(self, name: str) -> set[tuple[int, ...]]:
+        """The grid shapes under which the sharded object ``name`` is stored."""
+        return {parsed[2] for parsed in map(parse_key, self._object_keys)
+                if parsed is not None and parsed[0] == name}
 
     def _read_regions(self, regions: dict[str, _Region], dtype_of) -> dict[str, torch.Tensor]:
         state: dict[str, Any] = {}
@@ -279,9 +311,13 @@ def _load_common(path: str) -> dict:
 
 
 def add_tensor(state: dict[str, Any], name: str, tensor: torch.Tensor, num_layers: int,
-               prefix: str = "") -> None:
+               prefix: str = "", flattened: bool = False) -> None:
     """Put a whole tensor under its upstream key (after ``prefix``, as an optimizer state's
-    kind): a layer's as one piece of the stacked key."""
+    kind): a layer's as one piece of the stacked key. ``flattened``: N-D flattened as one
+    chunk (a grid of one along every axis but the layers', the distributed optimizer's
+    layout), which upstream's loader cuts to any layout."""
+    if flattened:
+        tensor = tensor.reshape((1,) * tensor.dim() + (tensor.numel(),))
     layer = split_layer(name)
     if layer is None:
         state[prefix + to_te(name)] = tensor
@@ -315,25 +351,55 @@ def optimizer_common_state(param_groups: list[dict], step: Optional[torch.Tensor
     return wrapped
 
 
+def distributed_optimizer_common_state(param_groups: list[dict], step: Optional[float], *,
+                                       grad_scaler_state: Optional[dict]) -> dict[str, Any]:
+    """What of the distributed optimizer's ``fully_sharded_model_space`` state is no sharded
+    tensor, as upstream's ``DistributedOptimizer.sharded_state_dict`` leaves it: the torch
+    optimizer's parameter groups (without parameters), each carrying the step count shared by
+    every parameter, the loss scaler where one runs, and the sharding type its loader follows."""
+    groups = [{**group, STEP: step} for group in param_groups] if step is not None else param_groups
+    common: dict[str, Any] = {"optimizer": {"param_groups": groups},
+                              "param_state_sharding_type": READABLE_SHARDING}
+    if grad_scaler_state:
+        common["grad_scaler"] = grad_scaler_state
+    return common
+
+
 def common_state(iteration: int, args: dict[str, Any], consumed_samples: int,
-                 scheduler_state: Optional[dict], optimizer: Optional[dict] = None
-                 ) -> dict[str, Any]:
+                 scheduler_state: Optional[dict], optimizer: Optional[dict] = None,
+                 floating_point_operations: float = 0) -> dict[str, Any]:
     """``common.pt`` as Megatron-LM writes it (args as a Namespace), plus consumed samples;
-    ``optimizer``: ``optimizer_common_state``'s part, where optimizer state is saved."""
+    ``optimizer``: the optimizer's part that is no sharded tensor, where it is saved."""
     common = {"args": argparse.Namespace(**{**args, "consumed_train_samples": consumed_samples}),
               "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "opt_param_scheduler": scheduler_state, "consumed_samples": consumed_samples,
-              "num_floating_point_operations_so_far": 0}
+              "num_floating_point_operations_so_far": floating_point_operations}
     if optimizer is not None:
         common["optimizer"] = optimizer
     return common
+
+
+def describe_flattened(metadata) -> None:
+    """Add megatron-core's ``mcore_data`` to a save's metadata: for every N-D flattened
+    optimizer tensor (``distributed_optimizer_layout``) the original global shape, which is its
+    model tensor's (stored in the same checkpoint); upstream's loader needs it to cut the
+    flattened chunks at its own layout."""
+    sizes = {key: entry.size for key, entry in metadata.state_dict_metadata.items()
+             if isinstance(entry, TensorStorageMetadata)}
+    described = {}
+    for key, size in sizes.items():
+        match = _UPSTREAM_OPTIMIZER_KEY.match(key)
+        original = sizes.get(match.group(2)) if match else None
+        if original is not None and len(size) == len(original) + 1:
+            described[key] = {_FLATTENED_SHAPE: tuple(original)}
+    metadata.mcore_data = described
 
 
 def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]]) -> None:
     """Write this process's part (collective when torch.distributed is initialised); the
     process that passes ``common`` also writes ``metadata.json`` and ``common.pt``."""
     os.makedirs(directory, exist_ok=True)
-    dcp_save.save(state, directory)
+    dcp_save.save(state, directory, annotate=describe_flattened)
     if common is not None:
         write_common(directory, common)
 
