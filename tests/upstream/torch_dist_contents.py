@@ -35,3 +35,11 @@ def read_object(path: Path, key: str) -> Any:
 
 def common(path: Path) -> dict:
     return torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+
+
+def read_tensor(path: Path, key: str) -> torch.Tensor:
+    """The stored tensor ``key`` whole, as stored."""
+    entry = metadata(path).state_dict_metadata[key]
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)}
+    dcp_chunks.load(state, str(path))
+    return state[key]
