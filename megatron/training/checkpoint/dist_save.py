@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.training.checkpoint import dcp_save, upstream_dist
+from megatron.training.checkpoint import dcp_save, dist_optimizer_common, upstream_dist
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, to_host, unwrap
 from megatron.training.checkpoint.optimizer_state import (
@@ -134,12 +134,12 @@ def torch_dist_state(model_chunks, *, iteration: int, args: dict[str, Any], cons
         scaler = getattr(optimizer, "grad_scaler", None)
         scaler_state = None if scaler is None else scaler.state_dict()
         if distributed_optimizer:
-            optimizer_common = upstream_dist.distributed_optimizer_common_state(
+            optimizer_common = dist_optimizer_common.distributed_optimizer_common_state(
                 groups, step, grad_scaler_state=scaler_state)
             # Upstream's loader takes this layout only from a save it believes fully parallel.
             args = {**args, "ckpt_fully_parallel_save": True}
         else:
-            optimizer_common = upstream_dist.optimizer_common_state(
+            optimizer_common = dist_optimizer_common.optimizer_common_state(
                 groups, None if step is None else torch.tensor(step, dtype=torch.float32),
                 mixed_precision=bool(args.get("fp16") or args.get("bf16")),
                 grad_scaler_state=scaler_state)

@@ -14,8 +14,7 @@ as upstream's does), and reading takes the raw bytes (``dcp_chunks.load``) and d
 from __future__ import annotations
 
 import io
-import re
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 
@@ -23,22 +22,12 @@ from megatron.training.checkpoint.source import CheckpointFormatError
 
 RNG_STATE = "rng_state"
 RERUN_STATE = "rerun_state_machine_state"
-_KEY = re.compile(r"^(?P<name>[^/]+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 
 
 def object_key(name: str, offset: Iterable[int], shape: Iterable[int]) -> str:
     """The DCP key megatron-core gives the shard at ``offset`` of the sharded object ``name``
     of grid ``shape``."""
     return f"{name}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
-
-
-def parse_key(key: str) -> Optional[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """(name, offset, shape) of a sharded object's key; None for other keys."""
-    match = _KEY.match(key)
-    if match is None:
-        return None
-    return (match["name"], tuple(map(int, match["offset"].split("."))),
-            tuple(map(int, match["shape"].split("."))))
 
 
 def add_object(state: dict[str, Any], name: str, value: Any, offset: Iterable[int],

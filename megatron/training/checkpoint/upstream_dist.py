@@ -38,8 +38,12 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.training.checkpoint import dcp_chunks, dcp_save
+from megatron.training.checkpoint.dist_optimizer_common import (
+    READABLE_SHARDING, STEP, saved_grad_scaler, saved_param_groups, saved_sharding_types,
+    saved_steps,
+)
 from megatron.training.checkpoint.sharded_objects import (
-    RERUN_STATE, RNG_STATE, decode, object_key, parse_key,
+    RERUN_STATE, RNG_STATE, decode, object_key,
 )
 from megatron.training.checkpoint.source import (
     OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
@@ -54,8 +58,6 @@ SHARDED_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1
                    "common_backend": "torch", "common_backend_version": 1}
 # Megatron-LM's checkpoint_version since 2020 (QKV rows grouped per query group).
 CHECKPOINT_VERSION = 3.0
-STEP = "step"
-READABLE_SHARDING = "fully_sharded_model_space"
 _UPSTREAM_OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?(optimizer\.state\.\w+)\.(.+)$")
 _FLATTENED_SHAPE = "nd_reformulated_orig_global_shape"
 
@@ -173,10 +175,10 @@ class DistSource(CheckpointSource):
                          consumed_samples=int(common.get("consumed_samples",
                                                          args.get("consumed_train_samples") or 0)),
                          scheduler_state=common.get("opt_param_scheduler"),
-                         param_group_settings=_saved_param_groups(optimizer),
-                         grad_scaler_state=_saved_grad_scaler(optimizer))
-        self._steps = _saved_steps(optimizer)
-        self._sharding = _saved_sharding_types(optimizer)
+                         param_group_settings=saved_param_groups(optimizer),
+                         grad_scaler_state=saved_grad_scaler(optimizer))
+        self._steps = saved_steps(optimizer)
+        self._sharding = saved_sharding_types(optimizer)
 
     def _read_object(self, name: str, pipeline_rank: int, tensor_rank: int) -> Any:
         """This rank's shard of the sharded object ``name`` at the saved (pp, tp) layout, or
@@ -199,11 +201,6 @@ class DistSource(CheckpointSource):
 
     def rerun_state(self, pipeline_rank: int, tensor_rank: int) -> Optional[dict]:
         return self._read_object(RERUN_STATE, pipeline_rank, tensor_rank)
-
-    def object_layouts(self, name: str) -> set[tuple[int, ...]]:
-        """The grid shapes under which the sharded object ``name`` is stored."""
-        return {parsed[2] for parsed in map(parse_key, self._object_keys)
-                if parsed is not None and parsed[0] == name}
 
     def _read_regions(self, regions: dict[str, _Region], dtype_of) -> dict[str, torch.Tensor]:
         state: dict[str, Any] = {}
@@ -265,43 +262,6 @@ class DistSource(CheckpointSource):
         return super().optimizer_problem()
 
 
-def _optimizer_dicts(tree: Any) -> list[dict]:
-    """Every dict in upstream's saved optimizer state (nested for the mixed-precision, the
-    distributed and the chained optimizers)."""
-    if not isinstance(tree, dict):
-        return []
-    return [tree] + [found for value in tree.values() for found in _optimizer_dicts(value)]
-
-
-def _saved_steps(optimizer: Any) -> set[float]:
-    """The step counts upstream's optimizer state keeps: ``common_step`` or per group."""
-    steps = set()
-    for tree in _optimizer_dicts(optimizer):
-        step = tree.get("common_step")
-        if step is not None:
-            steps.add(float(step.item() if torch.is_tensor(step) else step))
-        for group in tree.get("param_groups") or []:
-            if isinstance(group, dict) and group.get(STEP) is not None:
-                step = group[STEP]
-                steps.add(float(step.item() if torch.is_tensor(step) else step))
-    return steps
-
-
-def _saved_param_groups(optimizer: Any) -> list[dict]:
-    return [group for tree in _optimizer_dicts(optimizer)
-            for group in tree.get("param_groups") or [] if isinstance(group, dict)]
-
-
-def _saved_grad_scaler(optimizer: Any) -> Optional[dict]:
-    return next((tree["grad_scaler"] for tree in _optimizer_dicts(optimizer)
-                 if isinstance(tree.get("grad_scaler"), dict) and tree["grad_scaler"]), None)
-
-
-def _saved_sharding_types(optimizer: Any) -> set[str]:
-    return {tree["param_state_sharding_type"] for tree in _optimizer_dicts(optimizer)
-            if "param_state_sharding_type" in tree}
-
-
 def _load_common(path: str) -> dict:
     common_file = os.path.join(path, COMMON_FILE)
     try:
@@ -332,37 +292,6 @@ def add_layer_extra_state(state: dict[str, Any], index: int, num_layers: int) ->
     """The per-layer objects upstream's layers ask for, local or TE spec: empty extra state."""
     for module in LAYER_LINEARS + (TE_ATTENTION,):
         state[f"{LAYER_PREFIX}{module}.{EXTRA_STATE}/shard_{index}_{num_layers}"] = [None]
-
-
-def optimizer_common_state(param_groups: list[dict], step: Optional[torch.Tensor], *,
-                           mixed_precision: bool, grad_scaler_state: Optional[dict]
-                           ) -> dict[str, Any]:
-    """What of a plain optimizer's state is no sharded tensor, nested as upstream's
-    ``sharded_state_dict`` leaves it once the tensors are taken out: the torch optimizer's
-    ``{"state": {"common_step": step}, "param_groups": [...]}`` (groups without their
-    parameters, which the loading side adds), wrapped for the mixed-precision optimizer as
-    ``{"optimizer": ..., "grad_scaler": ...}`` (the scaler where one runs)."""
-    inner = {"state": {"common_step": step}, "param_groups": param_groups}
-    if not mixed_precision:
-        return inner
-    wrapped: dict[str, Any] = {"optimizer": inner}
-    if grad_scaler_state:
-        wrapped["grad_scaler"] = grad_scaler_state
-    return wrapped
-
-
-def distributed_optimizer_common_state(param_groups: list[dict], step: Optional[float], *,
-                                       grad_scaler_state: Optional[dict]) -> dict[str, Any]:
-    """What of the distributed optimizer's ``fully_sharded_model_space`` state is no sharded
-    tensor, as upstream's ``DistributedOptimizer.sharded_state_dict`` leaves it: the torch
-    optimizer's parameter groups (without parameters), each carrying the step count shared by
-    every parameter, the loss scaler where one runs, and the sharding type its loader follows."""
-    groups = [{**group, STEP: step} for group in param_groups] if step is not None else param_groups
-    common: dict[str, Any] = {"optimizer": {"param_groups": groups},
-                              "param_state_sharding_type": READABLE_SHARDING}
-    if grad_scaler_state:
-        common["grad_scaler"] = grad_scaler_state
-    return common
 
 
 def common_state(iteration: int, args: dict[str, Any], consumed_samples: int,
