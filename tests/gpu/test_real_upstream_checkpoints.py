@@ -32,9 +32,10 @@ import pytest
 
 from tests.gpu.nccl_support import needs
 from tests.upstream.real_upstream import (
-    LAYOUTS, OURS, UPSTREAM, Model, RunCache, Runner, prepare_upstream, relative_difference,
+    LAYOUTS, OURS, UPSTREAM, Model, RunCache, Runner, build_dataset_helpers, prepare_upstream,
+    relative_difference,
 )
-from tests.upstream.tiny_corpus import write_tiny_corpus
+from tests.upstream.tiny_corpus import NAME, write_tiny_corpus
 from tests.upstream.upstream_tree import upstream_python_path
 
 pytestmark = [*needs("nccl"), pytest.mark.upstream]
@@ -45,16 +46,9 @@ PLAN = {("torch_dist", "plain"): ("pp2", "pp2", "tp2"),
         ("torch_dist", "distributed"): ("dp2", "dp2", "tp2"),
         ("torch", "plain"): ("pp2", "pp2", "pp2dp2"),
         ("torch", "distributed"): ("dp2", "dp2", "dp1")}
-CELLS = [(saver, fmt, optimizer, where) for saver in (UPSTREAM, OURS) for fmt, optimizer in PLAN
-         for where in ("same", "another")]
-
-
-@pytest.fixture(scope="session")
-def runner(tmp_path_factory) -> Runner:
-    base = tmp_path_factory.getbasetemp()
-    tree, *packages = upstream_python_path(base / "upstream-packages")
-    copy = prepare_upstream(tree, base / "upstream")  # per worker: its helpers compile there
-    return Runner(copy, packages, write_tiny_corpus(base / "corpus"), Model())
+# Cells that share a save come far apart, so that parallel workers start on different saves.
+CELLS = [(saver, fmt, optimizer, where) for where in ("same", "another")
+         for fmt, optimizer in PLAN for saver in (UPSTREAM, OURS)]
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +56,18 @@ def runs(tmp_path_factory) -> RunCache:
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return RunCache(shared / "real-upstream-runs")
+
+
+@pytest.fixture(scope="session")
+def runner(tmp_path_factory, runs) -> Runner:
+    tree, *packages = upstream_python_path(tmp_path_factory.getbasetemp() / "upstream-packages")
+
+    def prepare(folder):
+        build_dataset_helpers(prepare_upstream(tree, folder), packages)
+        write_tiny_corpus(folder / "corpus")
+
+    shared, _ = runs.once("upstream-copy-and-corpus", prepare)
+    return Runner(shared, packages, shared / "corpus" / NAME, Model())
 
 
 def _saved(runs: RunCache, runner: Runner, saver: str, fmt: str, optimizer: str):

@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.upstream.real_upstream import (
-    LAYOUTS, OPTIMIZERS, SAVE_AT, UPSTREAM, Model, Runner, prepare_upstream,
+    LAYOUTS, OPTIMIZERS, SAVE_AT, UPSTREAM, Model, Runner, build_dataset_helpers,
+    prepare_upstream,
 )
 from tests.upstream.tiny_corpus import NAME, write_tiny_corpus
 
@@ -46,8 +47,7 @@ def fixture_name(fmt: str, optimizer: str) -> str:
 
 
 def _run_all(runner: Runner, work: Path) -> dict[str, dict]:
-    """Every fixture saved, then resumed, by upstream; the first save alone (it compiles
-    upstream's dataset helpers into the copy), the rest side by side."""
+    """Every fixture saved, then resumed, by upstream, side by side."""
     def save(key):
         name = fixture_name(*key)
         return runner.save(UPSTREAM, *key, LAYOUTS[FIXTURES[key]], work / name)
@@ -58,9 +58,8 @@ def _run_all(runner: Runner, work: Path) -> dict[str, dict]:
                              work / name / "checkpoint", work / f"{name}-resumed")
 
     keys = list(FIXTURES)
-    saved = {keys[0]: save(keys[0])}
     with ThreadPoolExecutor(len(keys)) as pool:
-        saved.update(zip(keys[1:], pool.map(save, keys[1:])))
+        saved = dict(zip(keys, pool.map(save, keys)))
         resumed = dict(zip(keys, pool.map(resume, keys)))
     return {fixture_name(*key): {"format": key[0], "optimizer": key[1],
                                  "layout": FIXTURES[key], "saved_at": SAVE_AT,
@@ -89,7 +88,9 @@ def main(argv=None) -> int:
     golden, work = options.output / "golden", options.output / "work"
     shutil.rmtree(options.output, ignore_errors=True)
     corpus = write_tiny_corpus(golden)
-    runner = Runner(prepare_upstream(Path(tree), work / "upstream"), packages, corpus, MODEL)
+    copy = prepare_upstream(Path(tree), work / "upstream")
+    build_dataset_helpers(copy, packages)
+    runner = Runner(copy, packages, corpus, MODEL)
     fixtures = _run_all(runner, work)
     for name in fixtures:
         shutil.copytree(work / name / "checkpoint", golden / name)

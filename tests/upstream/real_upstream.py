@@ -29,11 +29,12 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from tests.distributed.test_trainer import losses
 from tests.gpu.nccl_support import REPO, launch
@@ -95,6 +96,17 @@ SHIMS = (
          "                    dst_tensors[key].copy_(tensors[key])\n",
          "torch AdamW: saved parameter state holds no step to copy"),
 )
+
+
+def build_dataset_helpers(copy: Path, packages: list[Path]) -> None:
+    """Compile upstream's C++ dataset helpers in ``copy`` now (its rank 0 would on first use),
+    so that runs sharing the copy never build them at the same time."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [copy, *packages]))}
+    done = subprocess.run(["make", "-C", str(copy / "megatron" / "core" / "datasets")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"upstream's dataset helpers did not build: {done.stdout[-2000:]}"
+                           f"{done.stderr[-2000:]}")
 
 
 def prepare_upstream(tree: Path, into: Path) -> Path:
@@ -221,8 +233,8 @@ class RunCache:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def get(self, name: str, produce: Callable[[Path], dict[int, float]]
-            ) -> tuple[Path, dict[int, float]]:
+    def once(self, name: str, produce: Callable[[Path], Any]) -> tuple[Path, Any]:
+        """``produce(folder)``'s JSON-able result, made by the first caller only."""
         folder, result = self.root / name, self.root / f"{name}.json"
         with open(self.root / f"{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -230,14 +242,20 @@ class RunCache:
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir()
                 try:
-                    outcome = {"losses": produce(folder)}
+                    outcome = {"result": produce(folder)}
                 except Exception as error:  # recorded for every cell that needs this run
                     outcome = {"error": "".join(traceback.format_exception_only(error))}
                 result.write_text(json.dumps(outcome))
         outcome = json.loads(result.read_text())
         if "error" in outcome:
-            raise RunFailed(f"run {name} failed: {outcome['error']}")
-        return folder, {int(k): v for k, v in outcome["losses"].items()}
+            raise RunFailed(f"{name} failed: {outcome['error']}")
+        return folder, outcome["result"]
+
+    def get(self, name: str, produce: Callable[[Path], dict[int, float]]
+            ) -> tuple[Path, dict[int, float]]:
+        """A run's folder and losses by iteration."""
+        folder, found = self.once(name, produce)
+        return folder, {int(k): v for k, v in found.items()}
 
 
 def relative_difference(found: dict[int, float], expected: dict[int, float]) -> float:
