@@ -20,7 +20,8 @@ this tree, never the checkout), each change stated in ``SHIMS``:
   the parameter groups (as with apex's Adam, and as later megatron-core versions do).
 
 Upstream asserts that ``--train-iters`` equals the checkpoint's, so a first run stops with
-``--exit-interval`` (which also saves), never with fewer iterations.
+``--exit-interval`` (after its ``--save-interval`` save, which upstream requires with
+``--save``), never with fewer iterations.
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ class Runner:
         """Train to ``SAVE_AT`` and save there into ``folder / "checkpoint"``."""
         return self.train(who, layout, ["--ckpt-format", fmt, *OPTIMIZERS[optimizer],
                                         "--save", str(folder / "checkpoint"),
+                                        "--save-interval", str(SAVE_AT),
                                         "--exit-interval", str(SAVE_AT)], folder)
 
     def resume(self, who: str, fmt: str, optimizer: str, layout: Layout, checkpoint: Path,
