@@ -27,6 +27,7 @@ and 32 resumes, about 8 minutes with ``-n 4`` on one H200 and 16 cores. Needs
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,11 @@ CELLS = [(saver, fmt, optimizer, where) for where in ("same", "another")
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> RunCache:
+    """Shared by the session's workers; ``REAL_UPSTREAM_RUNS``: a folder that keeps the runs
+    for later sessions on the same machine (e.g. to split the cells over two commands)."""
+    kept = os.environ.get("REAL_UPSTREAM_RUNS")
+    if kept:
+        return RunCache(Path(kept))
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return RunCache(shared / "real-upstream-runs")
