@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     packages = [Path(os.environ["MEGATRON_LM_PACKAGES"])] if os.environ.get(
         "MEGATRON_LM_PACKAGES") else []
     golden, work = options.output / "golden", options.output / "work"
-    shutil.rmtree(options.output, ignore_errors=True)
+    for folder in (golden, work):  # what an earlier run here left
+        shutil.rmtree(folder, ignore_errors=True)
     corpus = write_tiny_corpus(golden)
     copy = prepare_upstream(Path(tree), work / "upstream")
     build_dataset_helpers(copy, packages)
