@@ -21,6 +21,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megatron.training.checkpoint import safe_load
+from megatron.training.checkpoint.safe_load import UnsafeCheckpoint
+from megatron.training.checkpoint.source import CheckpointFormatError
+
 
 class TensorPieces:
     """Pieces ``{offsets: tensor}`` of a tensor of shape ``global_shape``."""
@@ -48,7 +52,8 @@ class TensorPieces:
 
 
 class _StandIn:
-    """Takes the place of a pickled class whose module cannot be imported here."""
+    """Takes the place of a class of upstream's (megatron-core's save plans) that a DCP
+    metadata file names: its state is kept as plain attributes, nothing of upstream runs."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -57,22 +62,52 @@ class _StandIn:
         self.__dict__.update(state if isinstance(state, dict) else {})
 
 
-class _TolerantUnpickler(pickle.Unpickler):
+# What DCP metadata holds: torch's metadata dataclasses, storage records, sizes, dtypes,
+# layouts and paths; megatron-core's plan classes map to stand-ins.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+_BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict", "int", "float", "str",
+             "bytes", "bytearray", "complex", "bool"}
+_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global it does not expect (one line naming the
+    file and the global): a crafted ``.metadata`` cannot run code."""
+
+    def __init__(self, stream, name: str) -> None:
+        super().__init__(stream)
+        self._name = name
+
     def find_class(self, module: str, name: str):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
+        top = module.split(".")[0]
+        if top == "megatron":
             return type(name, (_StandIn,), {"__module__": module})
+        allowed = (module == _METADATA_MODULE or (module, name) == _STORAGE_INFO
+                   or (module == "torch" and (name == "Size" or isinstance(
+                       getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                    torch.memory_format))))
+                   or (module, name) == ("torch.serialization", "_get_layout")
+                   or (module, name) == ("collections", "OrderedDict")
+                   or (module == "builtins" and name in _BUILTINS)
+                   or (top == "pathlib" and name in _PATHS))
+        if not allowed:
+            raise UnsafeCheckpoint(f"{self._name} holds {module}.{name}, which is no type a "
+                                   f"checkpoint holds: not loaded (nothing in it was run)")
+        return super().find_class(module, name)
 
 
 class TolerantReader(FileSystemReader):
-    """A reader of DCP metadata that upstream's writer pickled with its own save-plan classes
-    (megatron-core records its plans in the metadata); this tree needs none of them."""
+    """A reader of DCP metadata, this tree's or upstream's (megatron-core records its save
+    plans in it, read as stand-ins), that refuses anything else a pickle could name."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as metadata_file:
-            metadata = _TolerantUnpickler(metadata_file).load()
+            try:
+                metadata = _MetadataUnpickler(metadata_file, str(path)).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as error:
+                raise CheckpointFormatError(f"{path} is unreadable: {error}") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -90,6 +125,15 @@ class PiecesSavePlanner(DefaultSavePlanner):
 
 
 class _PiecesLoadPlanner(DefaultLoadPlanner):
+    def __init__(self, directory: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._directory = directory
+
+    def load_bytes(self, read_item, value) -> None:
+        # A pickled object (extra state, RNG or rerun state): read as every checkpoint file is.
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = safe_load.load_bytes(value, f"{self._directory} ({fqn})")
+
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         # The default set-up walks the state dict and turns objects it does not know (these
         # pieces) into None; nothing here needs its meta-device or flattening steps.
@@ -111,5 +155,5 @@ def load(state: dict[str, Any], directory: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,
-                 planner=_PiecesLoadPlanner(flatten_state_dict=False,
+                 planner=_PiecesLoadPlanner(directory, flatten_state_dict=False,
                                             flatten_sharded_tensors=False))

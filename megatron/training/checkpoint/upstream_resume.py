@@ -7,13 +7,13 @@ tp/pp/dp layout and with or without ``--use-distributed-optimizer`` here: upstre
 optimizers (FP32 and mixed precision) saved as ``torch_dist`` or in the legacy ``torch`` format
 (whose parameter numbers are mapped to names by rebuilding upstream's parameter groups, checked
 by shape), and upstream's distributed optimizer saved as ``torch_dist`` in its default
-``fully_sharded_model_space`` layout, give Adam's exp_avg and exp_avg_sq, the fp32 main
-parameters where saved, the step count, the parameter groups' hyperparameters, the loss scaler
-and the learning-rate scheduler. Other checkpoints (saved with --no-save-optim; the
-distributed optimizer's legacy ``torch`` save, whose state sits in separate ``distrib_optim.pt``
-files laid out by its data-parallel buffers; ``torch_dist`` in another distributed-optimizer
-layout) stop with one line asking for ``--no-load-optim``, with which, as upstream does, the
-optimizer and the scheduler start afresh.
+``fully_sharded_model_space`` layout or in the legacy format (``distrib_optim.pt``), give Adam's
+exp_avg and exp_avg_sq, the fp32 main parameters where saved, the step count, the parameter
+groups' hyperparameters, the loss scaler and the learning-rate scheduler. Other checkpoints
+(saved with --no-save-optim; ``torch_dist`` in another distributed-optimizer layout) stop with
+one line asking for ``--no-load-optim``, with which, as upstream does, the optimizer and the
+scheduler start afresh. The rerun state, and the RNG states at the saving tensor and pipeline
+sizes, are restored as upstream restores them (``upstream_rng``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import restore_optimizer, restore_scheduler
 from megatron.training.checkpoint.source import CheckpointSource
+from megatron.training.checkpoint.upstream_rng import restore_upstream_state
 from megatron.training.utils import print_rank_0
 
 
@@ -54,6 +55,7 @@ def load_upstream_checkpoint(model, optimizer, opt_param_scheduler,
         loaded = "model weights, optimizer state and scheduler"
     else:
         loaded = "model weights; optimizer and scheduler start afresh"
+    restore_upstream_state(source, args)
     print_rank_0(f"  loaded upstream {source.format} checkpoint {path} at iteration "
                  f"{source.iteration} ({loaded})")
     return source.iteration, source.consumed_samples
