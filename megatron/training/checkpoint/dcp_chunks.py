@@ -63,9 +63,14 @@ class _StandIn:
 
 
 # What DCP metadata holds: torch's metadata dataclasses, storage records, sizes, dtypes,
-# layouts and paths; megatron-core's plan classes map to stand-ins.
+# layouts and paths; megatron-core's plan classes map to stand-ins (found in real upstream
+# torch_dist checkpoints: MCoreSavePlan holding torch's WriteItems).
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+# Save-plan records megatron-core's writer leaves in the metadata (dataclasses and enums).
+_PLAN_MODULE = "torch.distributed.checkpoint.planner"
+_PLAN_RECORDS = {"WriteItem", "TensorWriteData", "WriteItemType", "BytesIOWriteData",
+                 "ReadItem", "LoadItemType", "SavePlan", "LoadPlan"}
 _BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict", "int", "float", "str",
              "bytes", "bytearray", "complex", "bool"}
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
@@ -84,6 +89,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if top == "megatron":
             return type(name, (_StandIn,), {"__module__": module})
         allowed = (module == _METADATA_MODULE or (module, name) == _STORAGE_INFO
+                   or (module == _PLAN_MODULE and name in _PLAN_RECORDS)
                    or (module == "torch" and (name == "Size" or isinstance(
                        getattr(torch, name, None), (torch.dtype, torch.layout,
                                                     torch.memory_format))))

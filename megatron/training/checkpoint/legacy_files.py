@@ -52,7 +52,7 @@ def _kept(value: Any) -> bool:
 def upstream_namespace(args: dict[str, Any], **values: Any) -> argparse.Namespace:
     """The arguments as upstream saves them (a Namespace), ``values`` set; values of types of
     this tree alone are left out, so that upstream unpickles the file without this tree."""
-    return argparse.Namespace(**{k: v for k, v in args.items() if _kept(v)}, **values)
+    return argparse.Namespace(**{**{k: v for k, v in args.items() if _kept(v)}, **values})
 
 
 @dataclass

@@ -29,6 +29,7 @@ from megatron.training.checkpoint import legacy_files, legacy_layout
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.legacy_files import MAIN, RankOptimizer
 from megatron.training.checkpoint.model_tensors import unwrap
+from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.upstream_names import to_te
 from megatron.training.flops import num_floating_point_operations
 
@@ -49,6 +50,10 @@ def save_legacy(directory: str, iteration: int, model_chunks, optimizer, opt_par
                 consumed_samples: int, args) -> None:
     """Write this rank's part of iteration directory ``directory`` (collective)."""
     te_names = _te_names(args)
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if _initialized() else 1
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if _initialized() else 0
+    if isinstance(optimizer, DistributedOptimizer) and not args.no_save_optim:
+        _check_upstream_layout(model_chunks, args, te_names, pp_rank, pp_size)
     optimizer_state = None if args.no_save_optim else _rank_optimizer(model_chunks, optimizer,
                                                                       te_names)
     rng = None if args.no_save_rng else _rng_states(args)
@@ -57,8 +62,6 @@ def save_legacy(directory: str, iteration: int, model_chunks, optimizer, opt_par
     if not writer:
         return
     chunks = [_chunk_state(chunk, te_names) for chunk in model_chunks]
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if _initialized() else 1
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if _initialized() else 0
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if _initialized() else 0
     entry, distrib = None, None
     if optimizer_state is not None:
@@ -82,6 +85,31 @@ def save_legacy(directory: str, iteration: int, model_chunks, optimizer, opt_par
         rerun_state=get_rerun_state_machine().state_dict(), rng_state=rng,
         flops=num_floating_point_operations(args, consumed_samples), optimizer_entry=entry)
     legacy_files.save_rank(directory, tp_rank, pp_rank, pp_size, state, distrib)
+
+
+def _check_upstream_layout(model_chunks, args, te_names: bool, pp_rank: int,
+                           pp_size: int) -> None:
+    """Every rank alike: raise where upstream's distributed optimizer cannot hold this model at
+    this layout (its own set-up stops with an assertion there), so no file could say it."""
+    listed = []
+    for index, chunk in enumerate(model_chunks):
+        sizes = {to_te(name) if te_names else name: param.numel()
+                 for name, param in unwrap(chunk).named_parameters() if param.requires_grad}
+        listed.append([(name, sizes[name], legacy_layout.shares_embedding(
+            name, index, len(model_chunks), pp_rank, pp_size,
+            not args.untie_embeddings_and_output_weights))
+            for name in legacy_layout.upstream_order(list(sizes))])
+    try:
+        legacy_layout.distributed_placements(
+            listed, legacy_layout.BufferSettings.from_args(vars(args), pp_rank))
+        problem = None
+    except ValueError as error:
+        problem = str(error)
+    found = [found for found in from_every_rank(problem) if found]
+    if found:
+        raise CheckpointError(f"--ckpt-format torch: {found[0]} (upstream's own set-up stops "
+                              f"there): this layout has no legacy distributed-optimizer file; "
+                              f"save with --ckpt-format torch_dist or layout_free")
 
 
 def _chunk_state(chunk, te_names: bool) -> dict[str, Any]:
