@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -160,6 +161,13 @@ def load(state: dict[str, Any], directory: str) -> None:
     ranks read what each needs, so they need not call it together."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,
-                 planner=_PiecesLoadPlanner(directory, flatten_state_dict=False,
-                                            flatten_sharded_tensors=False))
+        try:
+            dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,
+                     planner=_PiecesLoadPlanner(directory, flatten_state_dict=False,
+                                                flatten_sharded_tensors=False))
+        except CheckpointException as error:  # a refused pickle says so itself, in one line
+            refused = [failure for failure, _ in error.failures.values()
+                       if isinstance(failure, CheckpointFormatError)]
+            if refused:
+                raise refused[0] from None
+            raise
