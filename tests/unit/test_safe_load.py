@@ -130,6 +130,24 @@ def test_upstream_call_records_map_to_stand_ins(monkeypatch):
     assert isinstance(loaded, safe_load.Call)
 
 
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy-pickle"])
+def test_a_payload_is_refused_in_either_torch_save_format(tmp_path, zip_format):
+    file, marker = str(tmp_path / "file.pt"), str(tmp_path / "marker")
+    torch.save({"args": RunsCommand(marker)}, file, _use_new_zipfile_serialization=zip_format)
+    with pytest.raises(safe_load.UnsafeCheckpoint) as raised:
+        safe_load.load(file, mmap=True)
+    assert_refused(raised.value, file, marker)
+
+
+def test_a_damaged_file_is_unreadable_not_unsafe(tmp_path):
+    file = tmp_path / "file.pt"
+    file.write_bytes(bytes(range(256)) * 3)
+    with pytest.raises(CheckpointError) as raised:
+        safe_load.load(str(file))
+    assert not isinstance(raised.value, safe_load.UnsafeCheckpoint)
+    assert f"{file} is unreadable" in str(raised.value) and "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("distributed", [False, True])
 def test_crafted_legacy_files_are_refused(tmp_path, distributed):
     path = legacy_checkpoint(tmp_path / "ckpt", distributed)

@@ -19,7 +19,8 @@ import argparse
 import io
 import os
 import pickle
-from typing import IO, Any, NamedTuple, Union
+import re
+from typing import IO, Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -90,13 +91,18 @@ def load(file: FileLike, *, what: str = "", mmap: bool = False) -> Any:
         try:
             return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as error:
-            raise UnsafeCheckpoint(_refusal(file, name, error)) from None
+            refusal = _refusal(file, error)
+            if refusal is None:
+                raise CheckpointFormatError(f"{name} is unreadable: {_reason(error)}") from None
+            raise UnsafeCheckpoint(f"{name} holds {refusal}, which is no type a checkpoint "
+                                   f"holds: not loaded (nothing in it was run)") from None
         except RuntimeError as error:
             if mmap and "mmap" in str(error):  # files of torch < 1.6 (not zip) cannot be mapped
                 return load(file, what=what)
-            raise CheckpointFormatError(f"{name} is unreadable: {_first_line(error)}") from None
-        except (OSError, EOFError, ValueError) as error:
-            raise CheckpointFormatError(f"{name} is unreadable: {_first_line(error)}") from None
+            raise CheckpointFormatError(f"{name} is unreadable: {_reason(error)}") from None
+        except Exception as error:  # damaged files fail in zip, pickle or torch's own code
+            raise CheckpointFormatError(f"{name} is unreadable ({type(error).__name__}: "
+                                        f"{_reason(error)})") from None
 
 
 def load_bytes(data: Union[bytes, io.BytesIO], what: str) -> Any:
@@ -106,19 +112,29 @@ def load_bytes(data: Union[bytes, io.BytesIO], what: str) -> Any:
     return load(stream, what=what)
 
 
-def _refusal(file: FileLike, name: str, error: Exception) -> str:
-    """One line naming the file and the types it holds that no checkpoint holds."""
+def _refusal(file: FileLike, error: Exception) -> Optional[str]:
+    """The types ``file`` names that no checkpoint holds; None where the pickle is merely
+    damaged (torch's weights-only unpickler reports both as UnpicklingError)."""
     if hasattr(file, "seek"):
         file.seek(0)
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    except Exception:  # a pickle torch cannot even scan: say what its unpickler said
+    except Exception:  # not a zip file, or one torch cannot scan: its unpickler's reason
         unsafe = []
-    found = ", ".join(unsafe) if unsafe else _first_line(error).split("error: ")[-1]
-    return (f"{name} holds {found}, which is no type a checkpoint holds: not loaded (nothing in "
-            f"it was run)")
+    if unsafe:
+        return ", ".join(unsafe)
+    reason = _reason(error)
+    named = re.search(r"GLOBAL ([\w.]+)", reason)
+    if named:
+        return named.group(1)
+    refused = "reduce" in reason or "build" in reason.lower() or "new object" in reason
+    return reason if refused else None
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def _reason(error: Exception) -> str:
+    """The line of torch's message that says what went wrong (it wraps it in advice)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    specific = [line for line in lines if not line.startswith(("Weights only load failed",
+                                                                "Check the documentation"))]
+    line = (specific or lines or [type(error).__name__])[0]
+    return line.split("error: ", 1)[-1]
