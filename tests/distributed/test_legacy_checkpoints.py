@@ -14,6 +14,7 @@ reduction order). A layout whose distributed-optimizer buffers upstream itself c
 the file, without running the command it holds.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from megatron.training.checkpoint import integrity
 from tests.distributed.test_trainer import PRETRAIN, data, losses, run, small_gpt  # noqa: F401
 from tests.launcher import free_port
 
@@ -137,6 +139,10 @@ def test_a_crafted_checkpoint_given_to_load_runs_nothing(data, tmp_path):
     state = torch.load(file, weights_only=False)
     state["args"].crafted = RunsCommand(str(marker))
     torch.save(state, file)
+    # The manifest made to match, as whoever crafted the file would.
+    manifest = json.loads((root / "iter_0000003" / "manifest.json").read_text())
+    manifest["files"]["mp_rank_00/model_optim_rng.pt"] = integrity.file_digest(str(file))
+    (root / "iter_0000003" / "manifest.json").write_text(json.dumps(manifest))
     loaded = _pretrain_alone(small_gpt(data, "--train-iters", "4", "--load", str(root)))
     assert loaded.returncode == 2, loaded.stdout[-2000:] + loaded.stderr[-2000:]
     errors = [line for line in loaded.stderr.splitlines() if line.startswith("error: ")]

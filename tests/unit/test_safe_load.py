@@ -90,8 +90,9 @@ def assert_refused(error: Exception, file: str, marker: str) -> None:
 
 
 def test_upstream_content_loads(tmp_path):
-    state = {"args": argparse.Namespace(params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto,
-                                        model_type=ModelType.encoder_or_decoder, data_path=["a"]),
+    args = argparse.Namespace(params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto,
+                              model_type=ModelType.encoder_or_decoder, data_path=["a"])
+    state = {"args": args,
              "rng": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                       "torch_rng_state": torch.get_rng_state()}],
              "rerun": get_rerun_state_machine().state_dict(),

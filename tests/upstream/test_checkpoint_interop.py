@@ -463,7 +463,9 @@ def test_pretrain_resumes_upstream_distributed_optimizer_checkpoint(upstream_sit
                                         "make_quickstart_data.py"), str(data)],
                    check=True, capture_output=True, timeout=120)
     # Saved at iteration 7 by dp 2; resumed at pp 2 for two more iterations.
+    # Upstream trained with its own schedule (lr 0.01): continue that one.
     output = run(2, small_gpt(data, "--train-iters", "9", "--pipeline-model-parallel-size", "2",
-                              "--load", str(out / "gpt" / "torch_dist")))
+                              "--load", str(out / "gpt" / "torch_dist"),
+                              "--use-checkpoint-opt_param-scheduler"))
     assert "(model weights, optimizer state and scheduler)" in output
     assert sorted(losses(output)) == [8, 9]

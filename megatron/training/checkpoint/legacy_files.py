@@ -99,8 +99,9 @@ def plain_optimizer_entry(chunks: list[dict[str, Any]], optimizer: RankOptimizer
         numbers, group_mains = [], []
         for chunk, name, value in params:
             tensors = optimizer.tensors[(chunk, name)]
-            state[number] = {"step": step.clone(), "exp_avg": tensors["exp_avg"],
-                             "exp_avg_sq": tensors["exp_avg_sq"]}
+            kinds = {kind: tensor for kind, tensor in tensors.items() if kind != MAIN}
+            if kinds:  # (none before the first step: torch then starts the state itself)
+                state[number] = {"step": step.clone(), **kinds}
             if value.dtype in _HALF:
                 group_mains.append(tensors[MAIN])
             numbers.append(number)
@@ -137,10 +138,12 @@ def distributed_optimizer_entries(chunks: list[dict[str, Any]], optimizer: RankO
         place = placements[chunk][name]
         tensors = optimizer.tensors[(chunk, name)]
         main = tensors[MAIN] if value.dtype in _HALF else value
-        for kind, tensor in (("param", main), ("exp_avg", tensors["exp_avg"]),
-                             ("exp_avg_sq", tensors["exp_avg_sq"])):
-            saved[place.buffer][kind][place.start:place.start + place.numel] = \
-                tensor.detach().reshape(-1).float()
+        # Adam's moments start at zero: what a file saved before the first step holds.
+        for kind, tensor in (("param", main), ("exp_avg", tensors.get("exp_avg")),
+                             ("exp_avg_sq", tensors.get("exp_avg_sq"))):
+            if tensor is not None:
+                saved[place.buffer][kind][place.start:place.start + place.numel] = \
+                    tensor.detach().reshape(-1).float()
     distrib: dict[Any, Any] = {"buckets_coalesced": True}
     for index, tensors in enumerate(saved):
         dtype = next(v.dtype for c, _, v in params if c == index)

@@ -45,7 +45,7 @@ def _rank_of(value: str, order: Sequence[str]) -> int:
 def _order_key(name: str) -> tuple:
     layer = split_layer(name)
     if layer is None:
-        module, _, tensor = name.rpartition(".")
+        tensor = name.rpartition(".")[2]
         return (_rank_of(name, _OUTSIDE_LAYERS), 0, 0, _rank_of(tensor, _MODULE_TENSORS))
     index, rest = layer
     module, _, tensor = rest.rpartition(".")
