@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.checkpoint import (  # noqa: E402
-    hf_export, legacy_convert, upstream_dist,
+    dist_optimizer_common, hf_export, legacy_convert, sharded_objects, upstream_dist,
 )
+from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.training.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron.training.checkpoint.formats import TRACKER, open_checkpoint  # noqa: E402
 from megatron.training.checkpoint.legacy_convert import WholeOptimizer  # noqa: E402
@@ -115,6 +116,27 @@ def write_layout_free(output: str, source, tensors: dict[str, torch.Tensor],
     write_tracker(output, source.iteration)
 
 
+def _add_rank_objects(state: dict, source) -> bool:
+    """Upstream's per-rank sharded objects for the (pp, tp) layout the saved arguments name:
+    the only layout at which upstream loads them, and then it requires every one. The rerun
+    state is the source's or a fresh one; the RNG states only where the source has them for
+    every rank (returns whether it had)."""
+    grid = (int(source.args.get("pipeline_model_parallel_size") or 1),
+            int(source.args.get("tensor_model_parallel_size") or 1))
+    ranks = [(p, t) for p in range(grid[0]) for t in range(grid[1])]
+    rngs = {rank: source.rng_states(*rank) for rank in ranks}
+    for rank in ranks:
+        rerun = source.rerun_state(*rank)
+        sharded_objects.add_object(state, sharded_objects.RERUN_STATE,
+                                   get_rerun_state_machine().state_dict() if rerun is None
+                                   else rerun, rank, grid)
+    if any(rng is None for rng in rngs.values()):
+        return False
+    for rank, rng in rngs.items():
+        sharded_objects.add_object(state, sharded_objects.RNG_STATE, rng, rank, grid)
+    return True
+
+
 def write_torch_dist(output: str, source, tensors: dict[str, torch.Tensor],
                      optimizer: Optional[WholeOptimizer]) -> None:
     num_layers = 1 + max((split_layer(n)[0] for n in tensors if split_layer(n)), default=-1)
@@ -130,11 +152,14 @@ def write_torch_dist(output: str, source, tensors: dict[str, torch.Tensor],
             upstream_dist.add_tensor(state, name, tensor, num_layers,
                                      prefix=f"{OPTIMIZER_PREFIX}{kind}.")
         half = any(dtype in (torch.float16, torch.bfloat16) for dtype in source.dtypes.values())
-        optimizer_common = upstream_dist.optimizer_common_state(
+        optimizer_common = dist_optimizer_common.optimizer_common_state(
             optimizer.settings, torch.tensor(optimizer.step), mixed_precision=half,
             grad_scaler_state=optimizer.grad_scaler)
+    saved_args = dict(source.args)
+    if not _add_rank_objects(state, source):
+        saved_args["no_save_rng"] = True  # upstream then starts its RNGs afresh instead of failing
     upstream_dist.write(state, iteration_dir(output, source.iteration),
-                        upstream_dist.common_state(source.iteration, source.args,
+                        upstream_dist.common_state(source.iteration, saved_args,
                                                    source.consumed_samples,
                                                    source.scheduler_state, optimizer_common))
     write_tracker(output, source.iteration)
@@ -188,6 +213,8 @@ def main(argv=None) -> int:
                                  optimizer=optimizer, data_parallel_size=args.target_dp,
                                  progress=lambda ranks: progress(ranks, "writing ranks"))
             write_tracker(args.output, source.iteration)
+            print("note: the torch output holds no RNG state; Megatron-LM resumes it with "
+                  "--no-load-rng (or --finetune), this tree without", file=sys.stderr)
         else:
             hf_export.write_llama(args.output, tensors, source.args)
     except (CheckpointError, ValueError) as error:

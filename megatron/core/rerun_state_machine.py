@@ -29,15 +29,13 @@ class RerunMode(str, enum.Enum):
     REPORT_DETERMINISM_STATS = "report_determinism_stats"
 
 
-class RerunState(enum.Enum):
-    """Where the machine is in a re-run (this tree never leaves NOT_RUNNING_YET)."""
-
-    NOT_RUNNING_YET = 0
-    INITIAL_RUN = 1
-    RERUNNING_IN_PLACE = 2
-    WILL_RERUN_FROM_CHECKPOINT = 3
-    RERUNNING_FROM_CHECKPOINT = 4
-    RERUNNING_AGAIN_FROM_CHECKPOINT = 5
+# Where the machine is in a re-run (this tree never leaves NOT_RUNNING_YET). Pickles carry the
+# value, so the values are upstream's; so are the names, for code that uses them.
+RerunState = enum.Enum("RerunState", [
+    (name, value) for value, name in enumerate((
+        "NOT_RUNNING_YET", "INITIAL_RUN", "RERUNNING_IN_PLACE", "WILL_RERUN_FROM_CHECKPOINT",
+        "RERUNNING_FROM_CHECKPOINT", "RERUNNING_AGAIN_FROM_CHECKPOINT"))],
+    module=__name__, qualname="RerunState")
 
 
 class RerunErrorInjector:

@@ -265,6 +265,14 @@ def _check_precision(args: argparse.Namespace) -> None:
 _DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
 
 
+def _nccl_version() -> Optional[tuple]:
+    """The NCCL torch runs with, where this build has one."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _check_runtime(args: argparse.Namespace) -> None:
     # The weight-gradient GEMM accumulates into main_grad on CUDA with the local layers (torch's
     # own GEMM; Transformer Engine's fused accumulation is left off, as nothing here tests it).
@@ -290,6 +298,13 @@ def _check_runtime(args: argparse.Namespace) -> None:
                             f"{', '.join(_DETERMINISTIC_NCCL_ALGOS)} (the reduction order must "
                             f"not change between runs); it is "
                             f"{os.environ.get('NCCL_ALGO', 'unset')}")
+    nccl = _nccl_version() if args.distributed_backend == "nccl" else None
+    if os.environ.get("NCCL_ALGO") == "Tree" and nccl is not None and nccl >= (2, 28):
+        # Measured with NCCL 2.28.9: Tree only implements all-reduce, and a broadcast or
+        # all-gather then fails with "no algorithm/protocol available".
+        raise ArgumentError(f"NCCL_ALGO=Tree: NCCL {'.'.join(map(str, nccl))} has no Tree "
+                            f"broadcast or all-gather, which training needs; use NCCL_ALGO=Ring "
+                            f"(deterministic as well)")
     # What the command line asked for: --ckpt-format torch names the saved tensors after it.
     args.transformer_impl_requested = args.transformer_impl
     if args.transformer_impl == "transformer_engine":

@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.training.checkpoint import (
-    dcp_save, integrity, legacy_save, pending, safe_load, save_job, upstream_dist,
+    dcp_save, integrity, legacy_save, pending, safe_load, save_job,
 )
-from megatron.training.checkpoint.dist_save import torch_dist_state
+from megatron.training.checkpoint.dist_save import plan_torch_dist
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import (
     TRACKER,
@@ -154,14 +154,9 @@ def _write_state(partial: str, iteration: int, model, optimizer, opt_param_sched
         legacy_save.save_legacy(partial, iteration, model, optimizer, opt_param_scheduler,
                                 consumed_samples, args)
         return []
-    if args.ckpt_format == "torch_dist":  # upstream's format, its plain optimizers' layout
-        state, common = torch_dist_state(
-            model, iteration=iteration, args=saved_args, consumed_samples=consumed_samples,
-            scheduler_state=opt_param_scheduler.state_dict(),
-            optimizer=None if args.no_save_optim else optimizer, private=private, spread=spread)
-        if common is not None:
-            upstream_dist.write_common(partial, common)
-        return [plan(state, partial, "torch_dist")]
+    if args.ckpt_format == "torch_dist":  # upstream's format
+        return plan_torch_dist(partial, iteration, model, optimizer, opt_param_scheduler,
+                               consumed_samples, args, saved_args)
     state = {name: to_host(join_shards(tensor.detach(), param), private)
              for name, tensor, param in model_tensors(model)}
     planned = [plan(state, os.path.join(partial, "model"), "model")]

@@ -104,7 +104,10 @@ def test_report_scripts_continue_from_an_upstream_torch_dist_checkpoint(data, tm
     assert os.path.isfile(tmp_path / "ckpt" / "iter_0000003" / "metadata.json")
 
     # Our torch_dist saves carry the optimizer state (upstream's plain-optimizer layout).
-    resumed = example("train_gpt3_7b_pp2_vpp2.sh", 2, data, tmp_path, train_iters=5)
+    # Trained on to iteration 5: the schedule of 3 iterations saved with it is kept, as upstream
+    # keeps it with this flag (and refuses the run without it).
+    resumed = example("train_gpt3_7b_pp2_vpp2.sh", 2, data, tmp_path,
+                      "--use-checkpoint-opt_param-scheduler", train_iters=5)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert ("loaded upstream torch_dist checkpoint" in resumed.stdout
             and "(model weights, optimizer state and scheduler)" in resumed.stdout)

@@ -1,5 +1,6 @@
-"""Upstream Megatron-LM's own GPT CI configurations, scaled down, train through pretrain_gpt.py
-on CPU/gloo (see upstream_config_cases.py for what is scaled and what each adds).
+"""Upstream Megatron-LM's own GPT CI configurations and its examples/gpt3 175B flag set, scaled
+down, train through pretrain_gpt.py on CPU/gloo (see upstream_config_cases.py for what is scaled
+and what each adds).
 
 The same cases run over NCCL on one GPU in tests/gpu/test_nccl_upstream_configs.py.
 """
@@ -49,8 +50,9 @@ def check_log(case: str, output: str) -> None:
     assert all(math.isfinite(float(loss)) for *_, loss in lines)
     for text in EXPECTED.get(case, []):
         assert text in output, f"{case}: no {text!r} in the log"
-    assert "params norm:" in output and "num zeros:" in output  # every configuration logs them
-    if case == "15b_release_rampup_samples":
+    if case != "gpt3_175b_example":  # every CI configuration logs them
+        assert "params norm:" in output and "num zeros:" in output
+    if case in ("15b_release_rampup_samples", "gpt3_175b_example"):
         batches = [int(batch) for _, _, batch, _ in lines]
         assert batches[0] < batches[-1] and batches == sorted(batches)  # the ramp
 

@@ -4,8 +4,9 @@ A configuration (tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl) keeps ever
 -- parallel layout, precision, schedule, logging, checkpoint format, model features -- except
 the sizes, the paths and the backend: the model shrinks to hidden 64, 4 heads and sequences of
 64 tokens, iterations to 2, the data to the quickstart corpus and its SentencePiece tokenizer,
-the data-parallel size to at most 2 (the number of microbatches per iteration and the batch
-ramp-up keep their shape), and tensor parallelism to at most 4.
+the data-parallel size to at most 2 (the number of microbatches per iteration, up to 8, and the
+batch ramp-up keep their shape), tensor parallelism to at most 4 and pipeline parallelism to at
+most 4.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIGS = {config["name"]: config for config in map(
-    json.loads, (Path(__file__).resolve().parents[1] / "data" / "upstream_core_v0_11"
-                 / "gpt_ci_configs.jsonl").open())}
+_FACTS = Path(__file__).resolve().parents[1] / "data" / "upstream_core_v0_11"
+# Upstream's GPT CI configurations, and the flag set of its examples/gpt3 175B script.
+CONFIGS = {config["name"]: config for name in ("gpt_ci_configs.jsonl", "examples.jsonl")
+           for config in map(json.loads, (_FACTS / name).open())}
 
 # What runs here: (configuration, flags added to it, why the flags).
 REPRESENTATIVE = {
@@ -40,6 +42,7 @@ REPRESENTATIVE = {
     "tp1_pp4_vp1_tunable_overlap": ("gpt3_mr_mcore_te_tp1_pp4_vp1_tunable_overlap_dgx_a100_1N8G",
                                     ()),
     "15b_release_rampup_samples": ("gpt3_15b_8t_release_sm", ()),
+    "gpt3_175b_example": ("examples/gpt3/train_gpt3_175b_distributed.sh", ()),
 }
 
 # Flags whose values are paths, sizes or the machine's; replaced below.
@@ -51,7 +54,7 @@ _REPLACED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-type",
              "--train-iters", "--train-samples", "--eval-iters", "--eval-interval",
              "--save-interval", "--log-interval", "--tensor-model-parallel-size",
              "--rampup-batch-size", "--num-layers", "--lr-warmup-samples", "--lr-decay-samples",
-             "--distributed-timeout-minutes"}
+             "--distributed-timeout-minutes", "--pipeline-model-parallel-size"}
 _WORLD = 8  # every configuration is one node of 8 GPUs
 
 
@@ -81,17 +84,17 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
     flags = _split(config["argv"])
     value = lambda flag, default: int(flags.get(flag, [default])[0])  # noqa: E731
     tp, pp = value("--tensor-model-parallel-size", 1), value("--pipeline-model-parallel-size", 1)
-    dp = _WORLD // (tp * pp)
+    dp = max(1, _WORLD // (tp * pp))
     micro = value("--micro-batch-size", 1)
     microbatches = min(8, value("--global-batch-size", micro * dp) // (micro * dp))
     instances = value("--num-distributed-optimizer-instances", 1)
-    new_tp, new_dp = min(tp, 4), max(min(dp, 2), instances)
+    new_tp, new_pp, new_dp = min(tp, 4), min(pp, 4), max(min(dp, 2), instances)
     layers = value("--num-layers", 4)
     argv = [word for flag, values in flags.items() if flag not in _REPLACED
             for word in (flag, *values)]
     argv += [
-        "--tensor-model-parallel-size", str(new_tp), "--num-layers", str(layers if layers <= 12
-                                                                        else 4),
+        "--tensor-model-parallel-size", str(new_tp), "--pipeline-model-parallel-size",
+        str(new_pp), "--num-layers", str(layers if layers <= 12 else 4),
         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "1",
         "--global-batch-size", str(microbatches * new_dp), "--eval-iters", "1",
@@ -113,6 +116,13 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
         if "--lr-warmup-samples" in flags:
             argv += ["--lr-warmup-samples", "2"]
     else:
-        argv += ["--train-iters", "2"]
+        argv += ["--train-iters", "4" if "--rampup-batch-size" in flags else "2"]
+    if "--fp16" in flags and "--initial-loss-scale" not in flags:
+        # A few iterations of a tiny model would all be skipped at fp16's 2**32 start.
+        argv += ["--initial-loss-scale", "4096"]
     env = dict(config["env"]) if backend == "nccl" else {}
-    return ScaledRun(argv, new_tp * pp * new_dp, env)
+    if env.get("NCCL_ALGO") == "Tree":
+        # Upstream's CI pins Tree; NCCL 2.28 has no Tree broadcast or all-gather (pretrain_gpt
+        # refuses it there, naming Ring), and Ring is as deterministic.
+        env["NCCL_ALGO"] = "Ring"
+    return ScaledRun(argv, new_tp * new_pp * new_dp, env)

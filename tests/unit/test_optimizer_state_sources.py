@@ -23,9 +23,10 @@ from megatron.training.checkpoint.optimizer_state import load_optimizer_state, r
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key,
 )
-from megatron.training.checkpoint.upstream_dist import (
-    _regions, _saved_grad_scaler, _saved_param_groups, _saved_steps, _unflatten,
+from megatron.training.checkpoint.dist_optimizer_common import (
+    saved_grad_scaler, saved_param_groups, saved_steps,
 )
+from megatron.training.checkpoint.upstream_dist import _regions, _unflatten
 
 
 def flattened(whole: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
@@ -84,15 +85,15 @@ def test_a_flattened_shape_that_cannot_hold_the_original_is_named():
     (None, set()),
 ])
 def test_the_step_is_found_where_each_upstream_optimizer_keeps_it(optimizer_state, steps):
-    assert _saved_steps(optimizer_state) == steps
+    assert saved_steps(optimizer_state) == steps
 
 
 def test_groups_and_loss_scale_are_found_in_nested_state():
     state = {"optimizer": {"param_groups": [{"lr": 0.1, "wd_mult": 1.0}]},
              "grad_scaler": {"scale": torch.tensor(8.0), "growth_tracker": 0,
                              "hysteresis_tracker": 2}}
-    assert _saved_param_groups(state) == [{"lr": 0.1, "wd_mult": 1.0}]
-    assert _saved_grad_scaler(state)["hysteresis_tracker"] == 2
+    assert saved_param_groups(state) == [{"lr": 0.1, "wd_mult": 1.0}]
+    assert saved_grad_scaler(state)["hysteresis_tracker"] == 2
 
 
 class Dense(torch.nn.Module):

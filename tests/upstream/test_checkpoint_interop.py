@@ -462,8 +462,8 @@ def test_pretrain_resumes_upstream_distributed_optimizer_checkpoint(upstream_sit
     subprocess.run([sys.executable, str(Path(__file__).parents[2] / "tools" /
                                         "make_quickstart_data.py"), str(data)],
                    check=True, capture_output=True, timeout=120)
-    # Saved at iteration 7 by dp 2; resumed at pp 2 for two more iterations.
-    # Upstream trained with its own schedule (lr 0.01): continue that one.
+    # Saved at iteration 7 by dp 2; resumed at pp 2 for two more iterations, on the saved
+    # schedule (the flags here describe another, which upstream too would refuse without it).
     output = run(2, small_gpt(data, "--train-iters", "9", "--pipeline-model-parallel-size", "2",
                               "--load", str(out / "gpt" / "torch_dist"),
                               "--use-checkpoint-opt_param-scheduler"))

@@ -19,8 +19,9 @@ import pytest
 
 TREE_VARIABLE = "MEGATRON_LM_TREE"
 PACKAGES_VARIABLE = "MEGATRON_LM_PACKAGES"
-# What upstream's argument parser imports (pybind11: its dataset helpers' build).
-PACKAGES = ("six", "regex", "einops", "pybind11")
+# What upstream's argument parser imports (pybind11: its dataset helpers' build; psutil: its
+# torch_dist checkpoint strategy).
+PACKAGES = ("six", "regex", "einops", "pybind11", "psutil")
 
 
 def upstream_tree() -> Path:

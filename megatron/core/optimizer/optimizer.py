@@ -176,9 +176,10 @@ class MegatronOptimizer(ABC):
             return self.clip_grad_norm(clip_grad)
         grad_norm = self.get_grad_norm()
         coefficient = clip_grad / (grad_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
-        if coefficient < 1.0:
-            device = self.get_parameters()[0].device
-            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient, device=device)
+        parameters = self.get_parameters()  # none on a rank whose shard holds no parameter
+        if coefficient < 1.0 and parameters:
+            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient,
+                                                   device=parameters[0].device)
         return grad_norm
 
     def _empty_statistic(self) -> float | None:

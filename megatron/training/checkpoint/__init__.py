@@ -13,6 +13,9 @@ reader (``source``): ``layout_free`` (this tree), ``upstream_torch`` (legacy per
 ``upstream_dist`` (torch_dist); ``upstream_names`` maps local/TE names and tensor-parallel cuts;
 ``model_loading`` fills a model, and ``optimizer_state`` the optimizer, from any reader;
 ``upstream_resume`` is ``--load``'s path for upstream formats; ``dist_save`` is
-``--ckpt-format torch_dist``; ``dcp_chunks`` stores pieces of layer-stacked tensors;
+``--ckpt-format torch_dist`` (``sharded_objects``: megatron-core's sharded objects, there the
+RNG and rerun states; ``rng_state``: upstream's per-rank RNG layout, saved and restored;
+``dist_optimizer_common``: the optimizer's part of ``common.pt``); ``dcp_chunks`` stores pieces
+of layer-stacked tensors;
 ``tp_layout``, ``model_shape`` and ``hf_export`` serve the converter.
 """

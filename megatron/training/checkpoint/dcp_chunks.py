@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megatron.training.checkpoint import safe_load
 from megatron.training.checkpoint.safe_load import UnsafeCheckpoint
 from megatron.training.checkpoint.source import CheckpointFormatError
 
@@ -132,15 +131,6 @@ class PiecesSavePlanner(DefaultSavePlanner):
 
 
 class _PiecesLoadPlanner(DefaultLoadPlanner):
-    def __init__(self, directory: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._directory = directory
-
-    def load_bytes(self, read_item, value) -> None:
-        # A pickled object (extra state, RNG or rerun state): read as every checkpoint file is.
-        fqn = read_item.dest_index.fqn
-        self.state_dict[fqn] = safe_load.load_bytes(value, f"{self._directory} ({fqn})")
-
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         # The default set-up walks the state dict and turns objects it does not know (these
         # pieces) into None; nothing here needs its meta-device or flattening steps.
@@ -150,6 +140,10 @@ class _PiecesLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
 
+    def load_bytes(self, read_item, value) -> None:
+        # Stored objects come back as their bytes: the caller unpickles them (with safe_load).
+        self.state_dict[read_item.dest_index.fqn] = value.read()
+
 
 def save(state: dict[str, Any], directory: str) -> None:
     """``dcp.save`` of tensors, ``TensorPieces`` and picklable objects (stored as bytes)."""
@@ -158,12 +152,13 @@ def save(state: dict[str, Any], directory: str) -> None:
 
 def load(state: dict[str, Any], directory: str) -> None:
     """``dcp.load`` into tensors and ``TensorPieces`` (filled in place), by this process alone:
-    ranks read what each needs, so they need not call it together."""
+    ranks read what each needs, so they need not call it together. A stored object's entry
+    (any placeholder) is replaced by the object's bytes, not unpickled."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,
-                     planner=_PiecesLoadPlanner(directory, flatten_state_dict=False,
+                     planner=_PiecesLoadPlanner(flatten_state_dict=False,
                                                 flatten_sharded_tensors=False))
         except CheckpointException as error:  # a refused pickle says so itself, in one line
             refused = [failure for failure, _ in error.failures.values()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
@@ -61,9 +61,11 @@ def _planner(spread: bool, cache_key: Optional[str]) -> SavePlanner:
 
 
 def plan(state: dict[str, Any], directory: str, *, spread: bool = True,
-         cache_key: Optional[str] = None) -> PlannedSave:
+         cache_key: Optional[str] = None,
+         annotate: Optional[Callable[[Metadata], None]] = None) -> PlannedSave:
     """Plan the save of ``state`` (tensors, ``TensorPieces``, picklable objects) into
-    ``directory``; collective where torch.distributed is initialised."""
+    ``directory``; collective where torch.distributed is initialised. ``annotate`` adds what
+    a format keeps beside torch's own fields to the global metadata (on the coordinator)."""
     coordinator = _rank() == COORDINATOR
     writer = FileSystemWriter(directory)
     planner = _planner(spread, cache_key)
@@ -80,6 +82,8 @@ def plan(state: dict[str, Any], directory: str, *, spread: bool = True,
     if coordinator:
         try:
             central, metadata = planner.create_global_plan(local_plans)
+            if annotate is not None:
+                annotate(metadata)
             outcome = [(rank_plan, None) for rank_plan in writer.prepare_global_plan(central)]
         except ValueError as error:  # a plan torch finds inconsistent: every rank must hear
             outcome = [(None, str(error).splitlines()[0])] * len(local_plans)
@@ -106,9 +110,10 @@ def finish(planned: PlannedSave, results: list[list[WriteResult]]) -> None:
 
 
 def save(state: dict[str, Any], directory: str, *, spread: bool = True,
-         cache_key: Optional[str] = None) -> None:
+         cache_key: Optional[str] = None,
+         annotate: Optional[Callable[[Metadata], None]] = None) -> None:
     """All three phases now, as ``dcp.save`` (collective)."""
-    planned = plan(state, directory, spread=spread, cache_key=cache_key)
+    planned = plan(state, directory, spread=spread, cache_key=cache_key, annotate=annotate)
     results = from_every_rank(write(planned))
     if _rank() == COORDINATOR:
         finish(planned, results)

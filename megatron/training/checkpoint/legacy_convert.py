@@ -50,6 +50,7 @@ def write(path: str, tensors: dict[str, torch.Tensor], *, tp: int, pp: int, vpp:
     tied = not args.get("untie_embeddings_and_output_weights", False)
     saved = {**args, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
              "virtual_pipeline_model_parallel_size": vpp, "ckpt_format": "torch",
+             "no_save_rng": True,  # the RNG states of another layout mean nothing at this one
              "transformer_impl": "transformer_engine" if te_names else "local"}
     if optimizer is not None:
         saved.update(use_distributed_optimizer=data_parallel_size is not None,

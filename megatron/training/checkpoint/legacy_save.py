@@ -14,22 +14,20 @@ data-parallel group first (disjoint pieces summed: exact) and written as ``distr
 
 from __future__ import annotations
 
-import random
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.training.checkpoint import legacy_files, legacy_layout
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.legacy_files import MAIN, RankOptimizer
 from megatron.training.checkpoint.model_tensors import unwrap
 from megatron.training.checkpoint.ranks import from_every_rank
+from megatron.training.checkpoint.rng_state import rng_state_list
 from megatron.training.checkpoint.upstream_names import to_te
 from megatron.training.flops import num_floating_point_operations
 
@@ -56,7 +54,7 @@ def save_legacy(directory: str, iteration: int, model_chunks, optimizer, opt_par
         _check_upstream_layout(model_chunks, args, te_names, pp_rank, pp_size)
     optimizer_state = None if args.no_save_optim else _rank_optimizer(model_chunks, optimizer,
                                                                       te_names)
-    rng = None if args.no_save_rng else _rng_states(args)
+    rng = None if args.no_save_rng else rng_state_list(args.data_parallel_random_init)
     writer = not _initialized() or parallel_state.get_data_parallel_rank(
         with_context_parallel=True) == 0
     if not writer:
@@ -186,19 +184,3 @@ def _everyone(value: Any, group) -> list:
 def _agree(kinds: list[str], group) -> list[str]:
     """The state kinds any rank of ``group`` holds (a rank owning no piece holds none)."""
     return sorted(set().union(*_everyone(kinds, group)))
-
-
-def _rng_states(args) -> list[dict[str, Any]]:
-    """Upstream's ``rng_state``: this rank's states, or with --data-parallel-random-init every
-    data-parallel rank's (collective then)."""
-    tracker = get_cuda_rng_tracker().get_states()
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
-             # Without CUDA the device generator is the CPU one (as for the tracker's states).
-             "cuda_rng_state": (torch.cuda.get_rng_state() if torch.cuda.is_available()
-                                else torch.get_rng_state()),
-             "rng_tracker_states": tracker}
-    if not (args.data_parallel_random_init and _initialized()
-            and parallel_state.get_data_parallel_world_size() > 1):
-        return [state]
-    return _everyone(state, parallel_state.get_data_parallel_group())

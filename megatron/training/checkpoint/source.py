@@ -67,6 +67,15 @@ class CheckpointSource(abc.ABC):
         """The whole fp32 tensors of ``keys`` (from ``optimizer_shapes``)."""
         raise CheckpointFormatError(self.optimizer_problem())
 
+    def rng_states(self, pipeline_rank: int, tensor_rank: int) -> Optional[list]:
+        """Upstream's RNG state list (``rng_state``) saved by that rank of the checkpoint's
+        layout; None where the checkpoint holds none."""
+        return None
+
+    def rerun_state(self, pipeline_rank: int, tensor_rank: int) -> Optional[dict]:
+        """Upstream's rerun-state-machine state saved by that rank; None where there is none."""
+        return None
+
     def optimizer_problem(self) -> str:
         """Why ``optimizer_shapes`` is empty, said so that a user knows what to do."""
         return (f"checkpoint {self.path} ({self.format} format) holds no optimizer state this "

@@ -38,6 +38,13 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.training.checkpoint import dcp_chunks, dcp_save, safe_load
+from megatron.training.checkpoint.dist_optimizer_common import (
+    READABLE_SHARDING, STEP, saved_grad_scaler, saved_param_groups, saved_sharding_types,
+    saved_steps,
+)
+from megatron.training.checkpoint.sharded_objects import (
+    RERUN_STATE, RNG_STATE, decode, object_key,
+)
 from megatron.training.checkpoint.source import (
     OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
 )
@@ -51,8 +58,6 @@ SHARDED_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1
                    "common_backend": "torch", "common_backend_version": 1}
 # Megatron-LM's checkpoint_version since 2020 (QKV rows grouped per query group).
 CHECKPOINT_VERSION = 3.0
-STEP = "step"
-READABLE_SHARDING = "fully_sharded_model_space"
 _UPSTREAM_OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?(optimizer\.state\.\w+)\.(.+)$")
 _FLATTENED_SHAPE = "nd_reformulated_orig_global_shape"
 
@@ -146,9 +151,11 @@ class DistSource(CheckpointSource):
         self._key_shapes = {}
         self._unreadable: list[str] = []  # why optimizer keys cannot be read (weights still can)
         shapes, dtypes = {}, {}
+        self._object_keys = set()  # sharded objects: extra state, RNG and rerun states
         for key, entry in metadata.state_dict_metadata.items():
             if not isinstance(entry, TensorStorageMetadata):
-                continue  # pickled objects: extra state, RNG states
+                self._object_keys.add(key)
+                continue
             self._key_shapes[key] = entry.size
             original = (flattened.get(key) or {}).get(_FLATTENED_SHAPE)
             try:
@@ -168,10 +175,32 @@ class DistSource(CheckpointSource):
                          consumed_samples=int(common.get("consumed_samples",
                                                          args.get("consumed_train_samples") or 0)),
                          scheduler_state=common.get("opt_param_scheduler"),
-                         param_group_settings=_saved_param_groups(optimizer),
-                         grad_scaler_state=_saved_grad_scaler(optimizer))
-        self._steps = _saved_steps(optimizer)
-        self._sharding = _saved_sharding_types(optimizer)
+                         param_group_settings=saved_param_groups(optimizer),
+                         grad_scaler_state=saved_grad_scaler(optimizer))
+        self._steps = saved_steps(optimizer)
+        self._sharding = saved_sharding_types(optimizer)
+
+    def _read_object(self, name: str, pipeline_rank: int, tensor_rank: int) -> Any:
+        """This rank's shard of the sharded object ``name`` at the saved (pp, tp) layout, or
+        None where the checkpoint has none for that rank."""
+        shape = (int(self.args.get("pipeline_model_parallel_size") or 1),
+                 int(self.args.get("tensor_model_parallel_size") or 1))
+        key = object_key(name, (pipeline_rank, tensor_rank), shape)
+        if key not in self._object_keys:
+            return None
+        state: dict[str, Any] = {key: None}
+        try:
+            dcp_chunks.load(state, self.path)
+        except Exception as error:  # DCP reports unreadable files in its own exception types
+            raise CheckpointFormatError(f"cannot read {key} of {self.path}: "
+                                        f"{str(error).splitlines()[0]}") from None
+        return decode(state[key], f"{self.path} {key}")
+
+    def rng_states(self, pipeline_rank: int, tensor_rank: int) -> Optional[list]:
+        return self._read_object(RNG_STATE, pipeline_rank, tensor_rank)
+
+    def rerun_state(self, pipeline_rank: int, tensor_rank: int) -> Optional[dict]:
+        return self._read_object(RERUN_STATE, pipeline_rank, tensor_rank)
 
     def _read_regions(self, regions: dict[str, _Region], dtype_of) -> dict[str, torch.Tensor]:
         state: dict[str, Any] = {}
@@ -233,52 +262,19 @@ class DistSource(CheckpointSource):
         return super().optimizer_problem()
 
 
-def _optimizer_dicts(tree: Any) -> list[dict]:
-    """Every dict in upstream's saved optimizer state (nested for the mixed-precision, the
-    distributed and the chained optimizers)."""
-    if not isinstance(tree, dict):
-        return []
-    return [tree] + [found for value in tree.values() for found in _optimizer_dicts(value)]
-
-
-def _saved_steps(optimizer: Any) -> set[float]:
-    """The step counts upstream's optimizer state keeps: ``common_step`` or per group."""
-    steps = set()
-    for tree in _optimizer_dicts(optimizer):
-        step = tree.get("common_step")
-        if step is not None:
-            steps.add(float(step.item() if torch.is_tensor(step) else step))
-        for group in tree.get("param_groups") or []:
-            if isinstance(group, dict) and group.get(STEP) is not None:
-                step = group[STEP]
-                steps.add(float(step.item() if torch.is_tensor(step) else step))
-    return steps
-
-
-def _saved_param_groups(optimizer: Any) -> list[dict]:
-    return [group for tree in _optimizer_dicts(optimizer)
-            for group in tree.get("param_groups") or [] if isinstance(group, dict)]
-
-
-def _saved_grad_scaler(optimizer: Any) -> Optional[dict]:
-    return next((tree["grad_scaler"] for tree in _optimizer_dicts(optimizer)
-                 if isinstance(tree.get("grad_scaler"), dict) and tree["grad_scaler"]), None)
-
-
-def _saved_sharding_types(optimizer: Any) -> set[str]:
-    return {tree["param_state_sharding_type"] for tree in _optimizer_dicts(optimizer)
-            if "param_state_sharding_type" in tree}
-
-
 def _load_common(path: str) -> dict:
     common_file = os.path.join(path, COMMON_FILE)
     return safe_load.load(common_file)  # one line where unreadable or unsafe
 
 
 def add_tensor(state: dict[str, Any], name: str, tensor: torch.Tensor, num_layers: int,
-               prefix: str = "") -> None:
+               prefix: str = "", flattened: bool = False) -> None:
     """Put a whole tensor under its upstream key (after ``prefix``, as an optimizer state's
-    kind): a layer's as one piece of the stacked key."""
+    kind): a layer's as one piece of the stacked key. ``flattened``: N-D flattened as one
+    chunk (a grid of one along every axis but the layers', the distributed optimizer's
+    layout), which upstream's loader cuts to any layout."""
+    if flattened:
+        tensor = tensor.reshape((1,) * tensor.dim() + (tensor.numel(),))
     layer = split_layer(name)
     if layer is None:
         state[prefix + to_te(name)] = tensor
@@ -295,42 +291,41 @@ def add_layer_extra_state(state: dict[str, Any], index: int, num_layers: int) ->
         state[f"{LAYER_PREFIX}{module}.{EXTRA_STATE}/shard_{index}_{num_layers}"] = [None]
 
 
-def optimizer_common_state(param_groups: list[dict], step: Optional[torch.Tensor], *,
-                           mixed_precision: bool, grad_scaler_state: Optional[dict]
-                           ) -> dict[str, Any]:
-    """What of a plain optimizer's state is no sharded tensor, nested as upstream's
-    ``sharded_state_dict`` leaves it once the tensors are taken out: the torch optimizer's
-    ``{"state": {"common_step": step}, "param_groups": [...]}`` (groups without their
-    parameters, which the loading side adds), wrapped for the mixed-precision optimizer as
-    ``{"optimizer": ..., "grad_scaler": ...}`` (the scaler where one runs)."""
-    inner = {"state": {"common_step": step}, "param_groups": param_groups}
-    if not mixed_precision:
-        return inner
-    wrapped: dict[str, Any] = {"optimizer": inner}
-    if grad_scaler_state:
-        wrapped["grad_scaler"] = grad_scaler_state
-    return wrapped
-
-
 def common_state(iteration: int, args: dict[str, Any], consumed_samples: int,
-                 scheduler_state: Optional[dict], optimizer: Optional[dict] = None
-                 ) -> dict[str, Any]:
+                 scheduler_state: Optional[dict], optimizer: Optional[dict] = None,
+                 floating_point_operations: float = 0) -> dict[str, Any]:
     """``common.pt`` as Megatron-LM writes it (args as a Namespace), plus consumed samples;
-    ``optimizer``: ``optimizer_common_state``'s part, where optimizer state is saved."""
+    ``optimizer``: the optimizer's part that is no sharded tensor, where it is saved."""
     common = {"args": argparse.Namespace(**{**args, "consumed_train_samples": consumed_samples}),
               "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "opt_param_scheduler": scheduler_state, "consumed_samples": consumed_samples,
-              "num_floating_point_operations_so_far": 0}
+              "num_floating_point_operations_so_far": floating_point_operations}
     if optimizer is not None:
         common["optimizer"] = optimizer
     return common
+
+
+def describe_flattened(metadata) -> None:
+    """Add megatron-core's ``mcore_data`` to a save's metadata: for every N-D flattened
+    optimizer tensor (``distributed_optimizer_layout``) the original global shape, which is its
+    model tensor's (stored in the same checkpoint); upstream's loader needs it to cut the
+    flattened chunks at its own layout."""
+    sizes = {key: entry.size for key, entry in metadata.state_dict_metadata.items()
+             if isinstance(entry, TensorStorageMetadata)}
+    described = {}
+    for key, size in sizes.items():
+        match = _UPSTREAM_OPTIMIZER_KEY.match(key)
+        original = sizes.get(match.group(2)) if match else None
+        if original is not None and len(size) == len(original) + 1:
+            described[key] = {_FLATTENED_SHAPE: tuple(original)}
+    metadata.mcore_data = described
 
 
 def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]]) -> None:
     """Write this process's part (collective when torch.distributed is initialised); the
     process that passes ``common`` also writes ``metadata.json`` and ``common.pt``."""
     os.makedirs(directory, exist_ok=True)
-    dcp_save.save(state, directory)
+    dcp_save.save(state, directory, annotate=describe_flattened)
     if common is not None:
         write_common(directory, common)
 

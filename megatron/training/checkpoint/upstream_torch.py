@@ -10,8 +10,8 @@ the order (virtual stage, pipeline rank), which gives every local index its glob
 knowing how upstream divided the layers. Every file is read with ``safe_load``.
 
 Optimizer state (``upstream_torch_optimizer``) is offered under canonical names, tensor-parallel
-shards joined, for the plain optimizers and the distributed one alike. ``rng_state`` gives each
-rank's RNG states for a resume at the saving tensor and pipeline sizes.
+shards joined, for the plain optimizers and the distributed one alike; each rank file's RNG and
+rerun states are offered for a resume at the saving tensor and pipeline sizes.
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ class TorchSource(CheckpointSource):
                          args=args, shapes=shapes, dtypes=dtypes,
                          consumed_samples=int(args.get("consumed_train_samples") or 0),
                          scheduler_state=first.get("opt_param_scheduler"))
-        self.rerun_state = first.get("rerun_state_machine")
         self._optimizer: Optional[OptimizerIndex] = None
         self._optimizer_unreadable: Optional[str] = None
         try:
@@ -169,10 +168,11 @@ class TorchSource(CheckpointSource):
             result[name] = tp_layout.join(shards, tp_partition(name, self._gated)).clone()
         return result
 
-    def rng_state(self, tp_rank: int, pp_rank: int) -> Optional[list]:
-        """The RNG states saved by rank (``tp_rank``, ``pp_rank``): upstream's list with one
-        dict per data-parallel rank (one only without --data-parallel-random-init)."""
-        return self._states[(tp_rank, pp_rank)].get("rng_state")
+    def rng_states(self, pipeline_rank: int, tensor_rank: int) -> Optional[list]:
+        return self._states[(tensor_rank, pipeline_rank)].get("rng_state")
+
+    def rerun_state(self, pipeline_rank: int, tensor_rank: int) -> Optional[dict]:
+        return self._states[(tensor_rank, pipeline_rank)].get("rerun_state_machine")
 
     def optimizer_shapes(self) -> dict[str, torch.Size]:
         if self._optimizer is None:

@@ -1,0 +1,48 @@
+"""megatron-core's sharded objects inside a ``torch_dist`` checkpoint, written and read.
+
+A ShardedObject is a picklable value per position of a grid of ranks, e.g. the RNG states of
+every (pipeline, tensor) rank. megatron-core stores each one under its own
+torch.distributed.checkpoint key ``<name>/shard_<offset>_<shape>`` (offset and shape joined
+with dots: ``rng_state/shard_1.0_2.1`` is pipeline rank 1, tensor rank 0 of pp 2 x tp 1) as a
+bytes item holding ``torch.save([value])``, written by the first data-parallel replica only;
+its loader asks for the keys of its own layout and fails on a missing one. Here the value goes
+into the save's state as the one-element list (the DCP planner pickles it with ``torch.save``,
+as upstream's does), and reading takes the raw bytes (``dcp_chunks.load``) and decodes them in
+``decode``, the one place that unpickles them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+from megatron.training.checkpoint import safe_load
+from megatron.training.checkpoint.source import CheckpointFormatError
+
+RNG_STATE = "rng_state"
+RERUN_STATE = "rerun_state_machine_state"
+
+
+def object_key(name: str, offset: Iterable[int], shape: Iterable[int]) -> str:
+    """The DCP key megatron-core gives the shard at ``offset`` of the sharded object ``name``
+    of grid ``shape``."""
+    return f"{name}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+def add_object(state: dict[str, Any], name: str, value: Any, offset: Iterable[int],
+               shape: Iterable[int]) -> None:
+    """Put this rank's shard of ``name`` into a save's state (call on the main replica)."""
+    state[object_key(name, offset, shape)] = [value]
+
+
+def decode(raw: bytes, where: str) -> Any:
+    """The value of one stored shard (``where`` names it in the error)."""
+    try:
+        wrapped = safe_load.load_bytes(raw, where)
+    except Exception as error:  # a corrupt or foreign payload: say which object
+        raise CheckpointFormatError(f"{where}: cannot read the object "
+                                    f"({str(error).splitlines()[0]})") from None
+    if not isinstance(wrapped, list) or len(wrapped) != 1:
+        raise CheckpointFormatError(f"{where}: a sharded object should be stored as a "
+                                    f"one-element list, found {type(wrapped).__name__}")
+    return wrapped[0]
