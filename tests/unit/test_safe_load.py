@@ -21,7 +21,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 from megatron.core.transformer.enums import AttnBackend
-from megatron.training.checkpoint import dcp_chunks, legacy_convert, safe_load
+from megatron.training.checkpoint import dcp_chunks, legacy_convert, safe_load, sharded_objects
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.legacy_convert import WholeOptimizer
@@ -184,10 +184,13 @@ def test_crafted_files_of_the_other_formats_are_refused(tmp_path, output_format,
 
 def test_crafted_object_in_a_distributed_checkpoint_is_refused(tmp_path):
     marker = str(tmp_path / "marker")
-    dcp_chunks.save({"extra_state": RunsCommand(marker)}, str(tmp_path / "dcp"))
+    dcp_chunks.save({"rng_state/shard_0.0_1.1": [RunsCommand(marker)]}, str(tmp_path / "dcp"))
+    state = {"rng_state/shard_0.0_1.1": None}
+    dcp_chunks.load(state, str(tmp_path / "dcp"))  # the object's bytes, not unpickled
+    where = f"{tmp_path / 'dcp'} rng_state/shard_0.0_1.1"
     with pytest.raises(CheckpointError) as raised:
-        dcp_chunks.load({"extra_state": None}, str(tmp_path / "dcp"))
-    assert_refused(raised.value, str(tmp_path / "dcp"), marker)
+        sharded_objects.decode(state["rng_state/shard_0.0_1.1"], where)
+    assert_refused(raised.value, where, marker)
 
 
 def test_the_converter_refuses_in_one_line(tmp_path, capsys):

@@ -435,7 +435,8 @@ def load_legacy_and_save_again(model, spec: dict, out: Path, command: dict) -> N
     random.setstate(rng["random_rng_state"])
     numpy.random.set_state(rng["np_rng_state"])
     torch.set_rng_state(rng["torch_rng_state"])
-    assert rng["rng_tracker_states"] and "cuda_rng_state" in rng
+    # A CPU run saves no CUDA generator state (upstream on a GPU then asks for --no-load-rng).
+    assert rng["rng_tracker_states"] and ("cuda_rng_state" in rng) == torch.cuda.is_available()
     args = argparse.Namespace(**vars(saved_args))
     save_legacy_torch(model, optimizer, scheduler, args, out, command)
 
