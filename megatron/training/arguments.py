@@ -305,6 +305,8 @@ def _check_runtime(args: argparse.Namespace) -> None:
         raise ArgumentError(f"NCCL_ALGO=Tree: NCCL {'.'.join(map(str, nccl))} has no Tree "
                             f"broadcast or all-gather, which training needs; use NCCL_ALGO=Ring "
                             f"(deterministic as well)")
+    # What the command line asked for: --ckpt-format torch names the saved tensors after it.
+    args.transformer_impl_requested = args.transformer_impl
     if args.transformer_impl == "transformer_engine":
         from megatron.core.transformer.te_backend import transformer_engine_available
 
@@ -335,10 +337,6 @@ def _check_model_flags(args: argparse.Namespace) -> None:
 
 
 def _check_checkpointing(args: argparse.Namespace) -> None:
-    if args.ckpt_format == "torch" and args.save is not None:
-        raise ArgumentError("--ckpt-format torch: upstream's legacy per-rank format is written "
-                            "offline by tools/checkpoint_convert.py; save with torch_dist or "
-                            "layout_free")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
     if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):

@@ -16,7 +16,8 @@ global, tensor-parallel shards joined; ``checkpoint.optimizer_state``), so a che
 one tp x pp x vpp x dp layout resumes at another, optimizer included; where the vocabulary is
 padded to another size there, the rows both have in common are loaded. RNG states are per rank
 and restored at the same layout only. ``--ckpt-format torch_dist`` writes upstream's format
-instead (``checkpoint.dist_save``).
+instead (``checkpoint.dist_save``), ``--ckpt-format torch`` upstream's legacy per-rank files
+(``checkpoint.legacy_save``).
 
 A checkpoint is written into ``iter_N.partial``, renamed only once every rank finished, and the
 tracker file is replaced atomically after that (``checkpoint.save_job``): a crash mid-save
@@ -44,7 +45,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.training.checkpoint import dcp_save, integrity, pending, save_job
+from megatron.training.checkpoint import (
+    dcp_save, integrity, legacy_save, pending, safe_load, save_job,
+)
 from megatron.training.checkpoint.dist_save import plan_torch_dist
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import (
@@ -131,7 +134,7 @@ def _remove_partials(root: str) -> None:
 def _prepare(partial: str, args) -> None:
     _remove_partials(args.save)
     os.makedirs(partial)
-    if args.ckpt_format != "torch_dist":
+    if args.ckpt_format == "layout_free":
         os.makedirs(os.path.join(partial, "rng"))
 
 
@@ -147,6 +150,10 @@ def _write_state(partial: str, iteration: int, model, optimizer, opt_param_sched
         return dcp_save.plan(state, directory, spread=spread,  # one cached plan per kind
                              cache_key=kind if args.ckpt_assume_constant_structure else None)
 
+    if args.ckpt_format == "torch":  # upstream's legacy per-rank files, written now
+        legacy_save.save_legacy(partial, iteration, model, optimizer, opt_param_scheduler,
+                                consumed_samples, args)
+        return []
     if args.ckpt_format == "torch_dist":  # upstream's format
         return plan_torch_dist(partial, iteration, model, optimizer, opt_param_scheduler,
                                consumed_samples, args, saved_args)
@@ -220,7 +227,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         raise CheckpointError(f"{os.path.join(os.path.dirname(path), TRACKER)} names {named}, "
                               f"but {path} does not exist")
     layout_free = detect_format(path) == "layout_free"
-    if layout_free and not integrity.verify_checkpoint(path):
+    # This tree's saves of every format carry a manifest; upstream's have none.
+    if not integrity.verify_checkpoint(path) and layout_free:
         print_rank_0(f"WARNING: checkpoint {path} has no {integrity.MANIFEST} (saved before "
                      f"manifests were written): its files are not checked")
     source = open_checkpoint(path)
@@ -242,7 +250,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
     if not args.no_load_rng and same_layout and os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(safe_load.load(rng_file))
     print_rank_0(f"  loaded checkpoint from {path} at iteration {iteration}")
     return iteration, common["consumed_samples"]
 
@@ -293,8 +301,8 @@ def _load_optimizer(source: LayoutFreeSource, model, optimizer, same_layout: boo
                 f"checkpoint {path} is of an older format whose optimizer state loads only at "
                 f"the layout it was saved with ({saved_layout}): add --no-load-optim")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        optimizer.load_state_dict(torch.load(
-            os.path.join(path, "optimizer", f"rank_{rank:05d}.pt"), weights_only=False))
+        optimizer.load_state_dict(safe_load.load(
+            os.path.join(path, "optimizer", f"rank_{rank:05d}.pt")))
         return
     if not source.optimizer_shapes():
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with "

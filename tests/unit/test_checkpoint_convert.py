@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training.checkpoint import upstream_torch
+from megatron.training.checkpoint import legacy_convert
 from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.model_shape import shape_difference
@@ -59,7 +59,7 @@ def llama_like_tensors() -> dict[str, torch.Tensor]:
 @pytest.fixture()
 def upstream_torch_checkpoint(tmp_path):
     root = tmp_path / "upstream"
-    upstream_torch.write(str(root / "iter_0000005"), llama_like_tensors(), tp=2, pp=2, vpp=2,
+    legacy_convert.write(str(root / "iter_0000005"), llama_like_tensors(), tp=2, pp=2, vpp=2,
                          args=ARGS, iteration=5, scheduler_state={"num_steps": 40})
     (root / "latest_checkpointed_iteration.txt").write_text("5")
     return root
@@ -155,7 +155,7 @@ def test_hf_export_gives_our_models_logits(upstream_torch_checkpoint, tmp_path):
 
 
 def test_hf_export_refuses_a_model_that_is_not_llama(tmp_path, capsys):
-    upstream_torch.write(str(tmp_path / "gpt" / "iter_0000005"), llama_like_tensors(), tp=1, pp=1,
+    legacy_convert.write(str(tmp_path / "gpt" / "iter_0000005"), llama_like_tensors(), tp=1, pp=1,
                          vpp=None, args={**ARGS, "normalization": "LayerNorm"}, iteration=5,
                          scheduler_state=None)
     assert checkpoint_convert.main(["--input", str(tmp_path / "gpt" / "iter_0000005"),

@@ -210,12 +210,13 @@ def legacy_with_optimizer(path, tensors, args, tp, pp, vpp, mixed: bool) -> None
     weights and exp_avg_sq = 3 x, numbered as upstream numbers its parameter groups (first-seen
     order of (no weight decay: bias or 1-D) over the chunks' parameters); the step is kept per
     group (apex), and ``mixed`` saves bf16 weights with fp32 main parameters = 4 x."""
-    from megatron.training.checkpoint import upstream_torch
+    from megatron.training.checkpoint import legacy_convert
+    from megatron.training.checkpoint.legacy_files import MODEL_FILE
 
-    upstream_torch.write(str(path), tensors, tp=tp, pp=pp, vpp=vpp, args=args, iteration=5,
+    legacy_convert.write(str(path), tensors, tp=tp, pp=pp, vpp=vpp, args=args, iteration=5,
                          scheduler_state={"num_steps": 5})
     for folder in sorted(os.listdir(path)):
-        file = os.path.join(path, folder, upstream_torch.MODEL_FILE)
+        file = os.path.join(path, folder, MODEL_FILE)
         state = torch.load(file, weights_only=False)
         groups: dict[bool, list] = {}
         for chunk in [k for k in state if k.startswith("model")]:

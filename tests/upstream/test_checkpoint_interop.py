@@ -14,13 +14,13 @@ Optimizer state: upstream trains each model a few Adam steps with its plain opti
 tp 2 x pp 2 (fp32, and bf16 with fp32 main parameters) and with its distributed optimizer at
 tp 2 x dp 2, and saves as Megatron-LM does, as ``torch_dist`` and in the legacy ``torch``
 format; ``--load`` here (fp32, pp 1 with the plain optimizer, pp 2 x dp 2 with the distributed
-one) of every ``torch_dist`` save and of the plain optimizers' legacy saves must restore
-upstream's exp_avg, exp_avg_sq, fp32 main parameters, step and scheduler exactly, and
-``pretrain_gpt.py --load`` of such a checkpoint trains on. The legacy save of the distributed
-optimizer (state in ``distrib_optim.pt``) asks for ``--no-load-optim`` in one line.
+one) of every ``torch_dist`` save and of every legacy save (the distributed optimizer's with its
+``distrib_optim.pt``) must restore upstream's exp_avg, exp_avg_sq, fp32 main parameters, step
+and scheduler exactly, and ``pretrain_gpt.py --load`` of such a checkpoint trains on.
 
-The wheel comes from ``MEGATRON_CORE_WHEELS`` (a folder holding megatron_core-0.11.0-*.whl) or
-from the package registry; without either the tests skip.
+Upstream's code comes from a Megatron-LM core_v0.11.0 checkout named by ``MEGATRON_LM_TREE``, or
+from ``MEGATRON_CORE_WHEELS`` (a folder holding megatron_core-0.11.0-*.whl), or from the package
+registry; without any the tests skip.
 """
 
 from __future__ import annotations
@@ -96,6 +96,9 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def upstream_site(tmp_path_factory) -> Path:
+    tree = os.environ.get("MEGATRON_LM_TREE")
+    if tree and (Path(tree) / "megatron" / "core").is_dir():
+        return Path(tree)  # a Megatron-LM checkout: its megatron.core is the wheel's code
     folder = os.environ.get("MEGATRON_CORE_WHEELS")
     wheels = sorted(Path(folder).glob(WHEEL)) if folder else []
     root = tmp_path_factory.mktemp("megatron-core-0.11.0")
@@ -349,10 +352,10 @@ def upstream_trained(upstream_site, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("pp,dp,distributed", [(1, 1, False), (2, 2, True)])
 def test_upstream_optimizer_state_loads_here(upstream_trained, pp, dp, distributed):
-    # Every torch_dist save; the legacy torch saves of the plain optimizers.
+    # Every save, torch_dist and legacy torch (the distributed optimizer's with distrib_optim.pt).
     roots = {f"{label}/{kind}/{fmt}": str(upstream_trained / kind / label / fmt)
-             for kind, layout in UPSTREAM_OPTIMIZERS.items() for label in MODELS
-             for fmt in ("torch_dist",) + (() if layout["distributed_optimizer"] else ("torch",))}
+             for kind in UPSTREAM_OPTIMIZERS for label in MODELS
+             for fmt in ("torch_dist", "torch")}
     results = run_ranks(load_optimizer_here, pp * dp, args=(pp, distributed, roots),
                         timeout_s=120)
     for label in roots:
@@ -386,10 +389,6 @@ def test_upstream_optimizer_state_loads_here(upstream_trained, pp, dp, distribut
                                      "--no-load-optim"),
     ("upstream_saved", "torch", "holds no optimizer state (saved with --no-save-optim?): add "
                                 "--no-load-optim"),
-    ("upstream_trained", "torch", "saved by upstream's distributed optimizer, which keeps Adam's "
-                                  "state in separate distrib_optim.pt files laid out by its "
-                                  "data-parallel buffers at the saving layout; this tree does "
-                                  "not read those: add --no-load-optim"),
 ])
 def test_upstream_checkpoint_without_optimizer_state_asks_for_no_load_optim(request, saved, fmt,
                                                                            message):
@@ -399,9 +398,6 @@ def test_upstream_checkpoint_without_optimizer_state_asks_for_no_load_optim(requ
 
     args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False)
     root = request.getfixturevalue(saved)
-    if saved == "upstream_trained":
-        root = root / "distributed"
-        assert (root / "gpt" / fmt / "iter_0000007" / "mp_rank_00" / "distrib_optim.pt").is_file()
     path = root / "gpt" / fmt / "iter_0000007"
     with pytest.raises(CheckpointError) as raised:
         load_upstream_checkpoint(None, None, None, str(path), args)

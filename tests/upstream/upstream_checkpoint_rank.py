@@ -25,6 +25,12 @@ Started by ``test_checkpoint_interop`` with ``PYTHONPATH`` holding only the unpa
   optimizer state tensor whole under upstream's sharded key, assembled from the ranks'
   in-memory pieces (not from the checkpoint), and the step count.
 
+* ``{"action": "load_legacy", "tp", "pp", "distributed_optimizer", ["bf16",] "models",
+  "load", "out"}``: read each model's legacy torch files ``load/LABEL/torch`` (this tree's
+  ``--ckpt-format torch``) as Megatron-LM's ``load_checkpoint`` does, strictly, into upstream's
+  model, optimizer, scheduler and rerun state machine, and save them again as Megatron-LM does
+  (``out/LABEL/torch``), for a comparison of what went in with what came out.
+
 The last stage's tensor-parallel rank 0 writes ``out/LABEL/logits.pt`` (full vocabulary, fp32).
 """
 
@@ -83,8 +89,9 @@ def keep_step_out_of_distributed_state() -> None:
     """With apex or TE (upstream's GPU set-up) Adam keeps its step per parameter group, and the
     distributed optimizer's per-parameter state holds exp_avg and exp_avg_sq only. torch's
     AdamW, upstream's fallback here, adds a per-parameter 0-d step that 0.11's
-    fully_sharded_model_space cannot flatten; drop it there, as apex's state has none (its
-    state_dict puts the step into every parameter group either way)."""
+    fully_sharded_model_space cannot flatten, and that its legacy load has no value for; leave
+    it out of both, as apex's state has none (its state_dict puts the step into every parameter
+    group either way)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     states_of = DistributedOptimizer._get_main_param_and_optimizer_states
@@ -93,6 +100,20 @@ def keep_step_out_of_distributed_state() -> None:
         return {k: v for k, v in states_of(self, model_param).items() if k != "step"}
 
     DistributedOptimizer._get_main_param_and_optimizer_states = without_step
+    sets = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_without_step(self, model_param, tensors):
+        optim_state = self.optimizer.state[self.optimizer.param_groups[
+            self.model_param_group_index_map[model_param][0]]["params"][
+            self.model_param_group_index_map[model_param][1]]]
+        step = optim_state.pop("step", None)
+        try:
+            sets(self, model_param, tensors)
+        finally:
+            if step is not None:
+                optim_state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_without_step
 
 
 def restore_numpy_product() -> None:
@@ -319,6 +340,8 @@ def train_and_save(model, spec: dict, out: Path, command: dict) -> None:
     train_steps(wrapped, optimizer, scheduler, torch.tensor(command["tokens"]))
     args = argparse.Namespace(**spec["args"], tensor_model_parallel_size=command["tp"],
                               pipeline_model_parallel_size=command["pp"],
+                              data_parallel_size=dist.get_world_size() // (command["tp"]
+                                                                           * command["pp"]),
                               use_distributed_optimizer=distributed_optimizer,
                               consumed_train_samples=96)
     dist_dir = out / "torch_dist" / f"iter_{ITERATION:07d}"
@@ -371,6 +394,53 @@ def load_with_optimizer(model, directory: Path, out: Path) -> None:
                out / "optimizer_loaded.pt")
 
 
+def load_legacy_and_save_again(model, spec: dict, out: Path, command: dict) -> None:
+    """As Megatron-LM's ``load_checkpoint`` reads ``--ckpt-format torch`` files (the ones this
+    tree wrote, ``load/LABEL``): its checks of the saved args, a strict ``load_state_dict`` of
+    the model, the optimizer's ``load_state_dict`` (and the distributed optimizer's
+    ``load_parameter_state``), the scheduler, the rerun state machine and the RNG states; then
+    saves again as Megatron-LM does (``out/LABEL/torch``)."""
+    import random
+
+    import numpy
+
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    wrapped, optimizer, scheduler = build_optimizer(model, command["distributed_optimizer"])
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    folder = Path(command["load"]) / out.name / "torch" / f"iter_{ITERATION:07d}" / (
+        f"mp_rank_{tp_rank:02d}" if command["pp"] == 1
+        else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+    state = torch.load(folder / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    saved_args = state["args"]
+    expected = {**spec["args"], "tensor_model_parallel_size": command["tp"],
+                "pipeline_model_parallel_size": command["pp"]}
+    for name in ("num_layers", "hidden_size", "num_attention_heads",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        assert getattr(saved_args, name) == expected[name], name
+    assert state["checkpoint_version"] == 3.0 and state["iteration"] == ITERATION
+    model.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    if command["distributed_optimizer"]:
+        # Without no_grad 0.11 fails on fp32 models: its fp32 main shards are views of the
+        # parameters, which an in-place copy may not change with autograd on (its training
+        # loop does not disable it either: a resume it cannot do itself).
+        with torch.no_grad():
+            optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    get_rerun_state_machine().load_state_dict(state["rerun_state_machine"])
+    rng = state["rng_state"][0]
+    random.setstate(rng["random_rng_state"])
+    numpy.random.set_state(rng["np_rng_state"])
+    torch.set_rng_state(rng["torch_rng_state"])
+    # A CPU run saves no CUDA generator state (upstream on a GPU then asks for --no-load-rng).
+    assert rng["rng_tracker_states"] and ("cuda_rng_state" in rng) == torch.cuda.is_available()
+    args = argparse.Namespace(**vars(saved_args))
+    save_legacy_torch(model, optimizer, scheduler, args, out, command)
+
+
 def main() -> None:
     command = json.loads(sys.argv[1])
     install_cpu_shims()
@@ -394,12 +464,15 @@ def main() -> None:
         out = Path(command["out"]) / label
         out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(spec["seed"])
-        training = command["action"] == "train_save"
+        training = command["action"] in ("train_save", "load_legacy")
         # Training as Megatron-LM does, with vocabulary-parallel logits (gathering them at tp 1
         # hands the loss a view it may not change in place); full logits otherwise.
         model = build_model({**spec, "tp": tp, "pp": pp, "bf16": command.get("bf16", False)},
                             parallel_state.is_pipeline_first_stage(),
                             parallel_state.is_pipeline_last_stage(), parallel_output=training)
+        if command["action"] == "load_legacy":
+            load_legacy_and_save_again(model, spec, out, command)
+            continue
         if training:
             train_and_save(model, spec, out, command)
             continue

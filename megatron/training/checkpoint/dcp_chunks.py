@@ -14,12 +14,16 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from megatron.training.checkpoint.safe_load import UnsafeCheckpoint
+from megatron.training.checkpoint.source import CheckpointFormatError
 
 
 class TensorPieces:
@@ -48,7 +52,8 @@ class TensorPieces:
 
 
 class _StandIn:
-    """Takes the place of a pickled class whose module cannot be imported here."""
+    """Takes the place of a class of upstream's (megatron-core's save plans) that a DCP
+    metadata file names: its state is kept as plain attributes, nothing of upstream runs."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -57,22 +62,58 @@ class _StandIn:
         self.__dict__.update(state if isinstance(state, dict) else {})
 
 
-class _TolerantUnpickler(pickle.Unpickler):
+# What DCP metadata holds: torch's metadata dataclasses, storage records, sizes, dtypes,
+# layouts and paths; megatron-core's plan classes map to stand-ins (found in real upstream
+# torch_dist checkpoints: MCoreSavePlan holding torch's WriteItems).
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+# Save-plan records megatron-core's writer leaves in the metadata (dataclasses and enums).
+_PLAN_MODULE = "torch.distributed.checkpoint.planner"
+_PLAN_RECORDS = {"WriteItem", "TensorWriteData", "WriteItemType", "BytesIOWriteData",
+                 "ReadItem", "LoadItemType", "SavePlan", "LoadPlan"}
+_BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict", "int", "float", "str",
+             "bytes", "bytearray", "complex", "bool"}
+_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global it does not expect (one line naming the
+    file and the global): a crafted ``.metadata`` cannot run code."""
+
+    def __init__(self, stream, name: str) -> None:
+        super().__init__(stream)
+        self._name = name
+
     def find_class(self, module: str, name: str):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
+        top = module.split(".")[0]
+        if top == "megatron":
             return type(name, (_StandIn,), {"__module__": module})
+        allowed = (module == _METADATA_MODULE or (module, name) == _STORAGE_INFO
+                   or (module == _PLAN_MODULE and name in _PLAN_RECORDS)
+                   or (module == "torch" and (name == "Size" or isinstance(
+                       getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                    torch.memory_format))))
+                   or (module, name) == ("torch.serialization", "_get_layout")
+                   or (module, name) == ("collections", "OrderedDict")
+                   or (module == "builtins" and name in _BUILTINS)
+                   or (top == "pathlib" and name in _PATHS))
+        if not allowed:
+            raise UnsafeCheckpoint(f"{self._name} holds {module}.{name}, which is no type a "
+                                   f"checkpoint holds: not loaded (nothing in it was run)")
+        return super().find_class(module, name)
 
 
 class TolerantReader(FileSystemReader):
-    """A reader of DCP metadata that upstream's writer pickled with its own save-plan classes
-    (megatron-core records its plans in the metadata); this tree needs none of them."""
+    """A reader of DCP metadata, this tree's or upstream's (megatron-core records its save
+    plans in it, read as stand-ins), that refuses anything else a pickle could name."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as metadata_file:
-            metadata = _TolerantUnpickler(metadata_file).load()
+            try:
+                metadata = _MetadataUnpickler(metadata_file, str(path)).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as error:
+                raise CheckpointFormatError(f"{path} is unreadable: {error}") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -100,7 +141,7 @@ class _PiecesLoadPlanner(DefaultLoadPlanner):
         return _lookup(self.state_dict, index)
 
     def load_bytes(self, read_item, value) -> None:
-        # Stored objects come back as their bytes: the caller decides how to unpickle them.
+        # Stored objects come back as their bytes: the caller unpickles them (with safe_load).
         self.state_dict[read_item.dest_index.fqn] = value.read()
 
 
@@ -115,6 +156,13 @@ def load(state: dict[str, Any], directory: str) -> None:
     (any placeholder) is replaced by the object's bytes, not unpickled."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,
-                 planner=_PiecesLoadPlanner(flatten_state_dict=False,
-                                            flatten_sharded_tensors=False))
+        try:
+            dcp.load(state, storage_reader=TolerantReader(directory), no_dist=True,
+                     planner=_PiecesLoadPlanner(flatten_state_dict=False,
+                                                flatten_sharded_tensors=False))
+        except CheckpointException as error:  # a refused pickle says so itself, in one line
+            refused = [failure for failure, _ in error.failures.values()
+                       if isinstance(failure, CheckpointFormatError)]
+            if refused:
+                raise refused[0] from None
+            raise

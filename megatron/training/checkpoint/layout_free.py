@@ -14,9 +14,9 @@ import os
 from typing import Iterable, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.training.checkpoint import dcp_chunks
+from megatron.training.checkpoint import dcp_chunks, safe_load
+from megatron.training.checkpoint.safe_load import UnsafeCheckpoint
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
 )
@@ -36,11 +36,24 @@ def is_layout_free_checkpoint(path: str) -> bool:
 def read_common(path: str) -> dict:
     common_file = os.path.join(path, COMMON_FILE)
     try:
-        return torch.load(common_file, weights_only=False)
+        return safe_load.load(common_file)
+    except UnsafeCheckpoint:
+        raise
     except Exception as error:  # a damaged file fails in zip, pickle or torch's own types
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise CheckpointFormatError(f"checkpoint file {common_file} is unreadable or corrupt "
                                     f"({type(error).__name__}: {reason})") from None
+
+
+def read_metadata(location: str):
+    """The DCP metadata of ``location``, read without running anything it names."""
+    try:
+        return dcp_chunks.TolerantReader(location).read_metadata().state_dict_metadata
+    except UnsafeCheckpoint:
+        raise
+    except Exception as error:  # missing or unreadable metadata
+        raise CheckpointFormatError(f"cannot read the metadata of {location} "
+                                    f"({str(error).splitlines()[0]})") from None
 
 
 class LayoutFreeSource(CheckpointSource):
@@ -50,12 +63,12 @@ class LayoutFreeSource(CheckpointSource):
         if version not in set(known_versions):
             raise CheckpointFormatError(f"{path}/{COMMON_FILE} has format_version {version}; "
                                         f"this tree reads {sorted(set(known_versions))}")
-        location = os.path.join(path, MODEL_DIR)
         try:
-            metadata = FileSystemReader(location).read_metadata().state_dict_metadata
-        except Exception as error:  # missing or unreadable metadata
-            raise CheckpointFormatError(f"checkpoint {path} is incomplete or corrupt: cannot read "
-                                        f"the model's metadata ({str(error).splitlines()[0]})"
+            metadata = read_metadata(os.path.join(path, MODEL_DIR))
+        except UnsafeCheckpoint:
+            raise
+        except CheckpointFormatError as error:
+            raise CheckpointFormatError(f"checkpoint {path} is incomplete or corrupt: {error}"
                                         ) from None
         self._saved_names = {to_local(name): name for name in metadata}
         super().__init__(path=path, format="layout_free", iteration=int(common["iteration"]),
@@ -89,12 +102,7 @@ class LayoutFreeSource(CheckpointSource):
             location = os.path.join(self.path, OPTIMIZER_DIR)
             self._optimizer_keys = {}
             if os.path.isfile(os.path.join(location, ".metadata")):  # format 2 only
-                try:
-                    metadata = FileSystemReader(location).read_metadata().state_dict_metadata
-                except Exception as error:  # unreadable metadata
-                    raise CheckpointFormatError(f"cannot read the optimizer metadata of "
-                                                f"{self.path} ({str(error).splitlines()[0]})"
-                                                ) from None
+                metadata = read_metadata(location)
                 for key, entry in metadata.items():
                     kind, name = split_optimizer_key(key)
                     self._optimizer_keys[optimizer_key(kind, to_local(name))] = (key, entry.size)

@@ -13,11 +13,10 @@ as upstream's does), and reading takes the raw bytes (``dcp_chunks.load``) and d
 
 from __future__ import annotations
 
-import io
 from typing import Any, Iterable
 
-import torch
 
+from megatron.training.checkpoint import safe_load
 from megatron.training.checkpoint.source import CheckpointFormatError
 
 RNG_STATE = "rng_state"
@@ -38,11 +37,7 @@ def add_object(state: dict[str, Any], name: str, value: Any, offset: Iterable[in
 
 def decode(raw: bytes, where: str) -> Any:
     """The value of one stored shard (``where`` names it in the error)."""
-    try:
-        wrapped = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
-    except Exception as error:  # a corrupt or foreign payload: say which object
-        raise CheckpointFormatError(f"{where}: cannot read the object "
-                                    f"({str(error).splitlines()[0]})") from None
+    wrapped = safe_load.load_bytes(raw, where)  # one line naming ``where`` if unreadable/unsafe
     if not isinstance(wrapped, list) or len(wrapped) != 1:
         raise CheckpointFormatError(f"{where}: a sharded object should be stored as a "
                                     f"one-element list, found {type(wrapped).__name__}")

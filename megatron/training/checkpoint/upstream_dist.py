@@ -37,7 +37,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron.training.checkpoint import dcp_chunks, dcp_save
+from megatron.training.checkpoint import dcp_chunks, dcp_save, safe_load
 from megatron.training.checkpoint.dist_optimizer_common import (
     READABLE_SHARDING, STEP, saved_grad_scaler, saved_param_groups, saved_sharding_types,
     saved_steps,
@@ -264,10 +264,7 @@ class DistSource(CheckpointSource):
 
 def _load_common(path: str) -> dict:
     common_file = os.path.join(path, COMMON_FILE)
-    try:
-        return torch.load(common_file, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as error:
-        raise CheckpointFormatError(f"{common_file} is unreadable: {error}") from None
+    return safe_load.load(common_file)  # one line where unreadable or unsafe
 
 
 def add_tensor(state: dict[str, Any], name: str, tensor: torch.Tensor, num_layers: int,

@@ -7,13 +7,12 @@ tp/pp/dp layout and with or without ``--use-distributed-optimizer`` here: upstre
 optimizers (FP32 and mixed precision) saved as ``torch_dist`` or in the legacy ``torch`` format
 (whose parameter numbers are mapped to names by rebuilding upstream's parameter groups, checked
 by shape), and upstream's distributed optimizer saved as ``torch_dist`` in its default
-``fully_sharded_model_space`` layout, give Adam's exp_avg and exp_avg_sq, the fp32 main
-parameters where saved, the step count, the parameter groups' hyperparameters, the loss scaler
-and the learning-rate scheduler. Other checkpoints (saved with --no-save-optim; the
-distributed optimizer's legacy ``torch`` save, whose state sits in separate ``distrib_optim.pt``
-files laid out by its data-parallel buffers; ``torch_dist`` in another distributed-optimizer
-layout) stop with one line asking for ``--no-load-optim``, with which, as upstream does, the
-optimizer and the scheduler start afresh.
+``fully_sharded_model_space`` layout or in the legacy format (``distrib_optim.pt``), give Adam's
+exp_avg and exp_avg_sq, the fp32 main parameters where saved, the step count, the parameter
+groups' hyperparameters, the loss scaler and the learning-rate scheduler. Other checkpoints
+(saved with --no-save-optim; ``torch_dist`` in another distributed-optimizer layout) stop with
+one line asking for ``--no-load-optim``, with which, as upstream does, the optimizer and the
+scheduler start afresh.
 
 At the checkpoint's own tensor- and pipeline-parallel sizes (and unless ``--finetune``, a
 ``release`` checkpoint, ``--no-load-rng`` or a save with ``--no-save-rng``) the random number

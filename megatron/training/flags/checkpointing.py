@@ -59,9 +59,11 @@ class CheckpointingArgs:
         accepted="no effect, as upstream; the format is --ckpt-format")
     ckpt_format: str = option(
         "layout_free", "format --save writes: this tree's layout_free (weights and optimizer "
-        "state loadable at any layout) or upstream's torch_dist (weights, scheduler and the "
-        "optimizer state in upstream's plain-optimizer layout, for megatron-core); --load "
-        "detects the format itself", choices=("layout_free", "torch", "torch_dist", "zarr"),
+        "state loadable at any layout), upstream's torch_dist (weights, scheduler and the "
+        "optimizer state in upstream's plain-optimizer layout, for megatron-core) or upstream's "
+        "legacy torch (Megatron-LM's per-rank model_optim_rng.pt, and distrib_optim.pt with "
+        "--use-distributed-optimizer); --load detects the format itself",
+        choices=("layout_free", "torch", "torch_dist", "zarr"),
         refused="the zarr format (deprecated upstream) is not implemented; use torch_dist",
         refuse_if=lambda value: value == "zarr")
     ckpt_convert_format: Optional[str] = unavailable(None, _CONVERT,
