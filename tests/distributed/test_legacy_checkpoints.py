@@ -72,9 +72,9 @@ def test_torch_format_resumes_bit_for_bit_at_the_same_layout(layout, data, tmp_p
         3.0, 4, 32)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.num_layers, args.hidden_size) == ((1 if distributed else 2), 2, 8, 64)
-    assert sorted(state["rng_state"][0]) == ["cuda_rng_state", "np_rng_state",
-                                             "random_rng_state", "rng_tracker_states",
-                                             "torch_rng_state"]
+    # On CPU there is no CUDA generator to save (upstream's key for it is left out).
+    assert sorted(state["rng_state"][0]) == ["np_rng_state", "random_rng_state",
+                                             "rng_tracker_states", "torch_rng_state"]
     output = run(4, _args(data, layout, "--load", str(tmp_path), "--ckpt-step", "4",
                           dropout=True))
     assert "(model weights, optimizer state and scheduler)" in output
