@@ -121,8 +121,7 @@ def _add_rank_objects(state: dict, source) -> bool:
     the only layout at which upstream loads them, and then it requires every one. The rerun
     state is the source's or a fresh one; the RNG states only where the source has them for
     every rank (returns whether it had)."""
-    grid = (int(source.args.get("pipeline_model_parallel_size") or 1),
-            int(source.args.get("tensor_model_parallel_size") or 1))
+    grid = sharded_objects.saved_grid(source.args)
     ranks = [(p, t) for p in range(grid[0]) for t in range(grid[1])]
     rngs = {rank: source.rng_states(*rank) for rank in ranks}
     for rank in ranks:

@@ -100,6 +100,16 @@ def test_conversions_keep_every_tensor(upstream_torch_checkpoint, tmp_path, chai
     assert_same_tensors(current)
 
 
+def test_torch_dist_output_has_the_objects_upstream_loads(upstream_torch_checkpoint, tmp_path):
+    # Upstream resumes at the saved tp 2 x pp 2 only with every rank's rerun state; the legacy
+    # input holds no RNG state, so the output says none was saved.
+    assert checkpoint_convert.main(["--input", str(upstream_torch_checkpoint), "--output",
+                                    str(tmp_path / "out"), "--output-format", "torch_dist"]) == 0
+    source = open_checkpoint(str(tmp_path / "out"))
+    assert all(source.rerun_state(p, t) is not None for p in (0, 1) for t in (0, 1))
+    assert source.rng_states(0, 0) is None and source.args["no_save_rng"]
+
+
 def reference_llama_logits(weights: dict[str, torch.Tensor], config: dict,
                            tokens: torch.Tensor) -> torch.Tensor:
     """A plain Llama forward written from the architecture's definition."""

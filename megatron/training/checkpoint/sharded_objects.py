@@ -29,6 +29,12 @@ def object_key(name: str, offset: Iterable[int], shape: Iterable[int]) -> str:
     return f"{name}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
+def saved_grid(args: dict[str, Any]) -> tuple[int, int]:
+    """The (pp, tp) grid of the layout saved ``args`` name: the one upstream loads objects at."""
+    return (int(args.get("pipeline_model_parallel_size") or 1),
+            int(args.get("tensor_model_parallel_size") or 1))
+
+
 def add_object(state: dict[str, Any], name: str, value: Any, offset: Iterable[int],
                shape: Iterable[int]) -> None:
     """Put this rank's shard of ``name`` into a save's state (call on the main replica)."""

@@ -43,7 +43,7 @@ from megatron.training.checkpoint.dist_optimizer_common import (
     saved_steps,
 )
 from megatron.training.checkpoint.sharded_objects import (
-    RERUN_STATE, RNG_STATE, decode, object_key,
+    RERUN_STATE, RNG_STATE, decode, object_key, saved_grid,
 )
 from megatron.training.checkpoint.source import (
     OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
@@ -183,9 +183,7 @@ class DistSource(CheckpointSource):
     def _read_object(self, name: str, pipeline_rank: int, tensor_rank: int) -> Any:
         """This rank's shard of the sharded object ``name`` at the saved (pp, tp) layout, or
         None where the checkpoint has none for that rank."""
-        shape = (int(self.args.get("pipeline_model_parallel_size") or 1),
-                 int(self.args.get("tensor_model_parallel_size") or 1))
-        key = object_key(name, (pipeline_rank, tensor_rank), shape)
+        key = object_key(name, (pipeline_rank, tensor_rank), saved_grid(self.args))
         if key not in self._object_keys:
             return None
         state: dict[str, Any] = {key: None}
