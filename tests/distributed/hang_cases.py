@@ -91,13 +91,16 @@ def recorder_overhead(rank, world_size, repeats):
     return {label: statistics.median(times) for label, times in rounds.items()}
 
 
-def memory_growth_over_exchanges(rank, world_size, exchanges, megabytes):
-    """Peak-RSS growth (MB) of a rank over ``exchanges`` recorded batched exchanges.
+def tensors_kept_after_exchanges(rank, world_size, exchanges):
+    """How many tensors of ``exchanges`` completed batched exchanges are still alive.
 
-    Every exchange sends a fresh tensor and receives into a fresh buffer, and nothing outside
-    the communicator keeps either, so growth means the recorder keeps completed tensors alive.
+    Every exchange sends a fresh tensor or receives into a fresh buffer, and nothing outside
+    the communicator keeps either, so a survivor means the recorder (which keeps thousands of
+    records) holds a transport handle and, through it, the tensor. Weak references count this
+    exactly, where peak RSS would depend on the allocator and the machine's load.
     """
-    import resource
+    import gc
+    import weakref
 
     from megatron.core import ModelParallelConfig
     from megatron.core.pipeline_parallel.ordering import PeerOp
@@ -107,21 +110,18 @@ def memory_growth_over_exchanges(rank, world_size, exchanges, megabytes):
     config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
                                  batch_p2p_comm=True)
     comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
-    shape = (megabytes * 2**18, 1, 1)  # float32: 4 bytes each
-
-    def exchange():
-        if rank == 0:
-            message = P2PMessage(PeerOp.SEND_NEXT, tensor=torch.ones(shape), shape=shape)
-        else:
-            message = P2PMessage(PeerOp.RECV_PREV, shape=shape)
-        comm.post([message]).wait_all()
-
-    def peak_mb():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
-
-    for _ in range(3):
-        exchange()
-    before = peak_mb()
+    shape = (1024, 1, 1)
+    kept = []
     for _ in range(exchanges):
-        exchange()
-    return peak_mb() - before
+        if rank == 0:
+            sent = torch.ones(shape)
+            comm.post([P2PMessage(PeerOp.SEND_NEXT, tensor=sent, shape=shape)]).wait_all()
+            kept.append(weakref.ref(sent))
+            del sent
+        else:
+            received = comm.post([P2PMessage(PeerOp.RECV_PREV, shape=shape)]).wait_all()
+            kept.append(weakref.ref(received[PeerOp.RECV_PREV]))
+            del received
+    gc.collect()
+    assert len(comm.recorder.records()) >= exchanges, "the recorder did not record the exchanges"
+    return sum(ref() is not None for ref in kept)
