@@ -161,8 +161,14 @@ def _rank_context():
     rank starts in a fraction of a second instead of importing torch anew; like spawn, each
     rank still gets a fresh interpreter state and the test's sys.path."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+# Only torch: the server imports it once (importing runs nothing) so ranks start without paying
+# for it. Not megatron, whose import-time state (the run clock --exit-duration-in-mins counts
+# from) must be the rank's own, as under torchrun.
+_PRELOAD = ["torch", "torch.distributed"]
 
 
 def _run_once(fn, world_size, args, timeout_s, env, init_process_group,
@@ -268,6 +274,92 @@ def run_torchrun(script: str, nproc: int, *, args: Sequence[str] = (), timeout_s
         raise DistributedTestFailure(
             f"{' '.join(command)} did not finish within {timeout_s:.0f}s; output:\n{output}")
     return subprocess.CompletedProcess(command, proc.returncode, output, None)
+
+
+class _ScriptFailed(Exception):
+    """A rank's script exited non-zero; its output and exit code are in its log folder."""
+
+
+def _script_rank(rank, world_size, script, argv, log_dir):
+    """Run ``script`` as ``__main__`` with ``argv``, as a torchrun worker would, its stdout and
+    stderr going to this rank's log file; a non-zero exit is written next to the log."""
+    import runpy
+
+    with open(os.path.join(log_dir, f"rank{rank}.log"), "w") as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if isinstance(stop.code, int) or stop.code is None:
+            code = stop.code or 0
+        else:  # sys.exit("message"): the interpreter prints it and exits 1
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        Path(log_dir, f"rank{rank}.exit").write_text(str(code))
+        raise _ScriptFailed(f"rank {rank} exited with {code}")  # its peers get the grace time
+    return 0
+
+
+def run_script(script: str, nproc: int, *, args: Sequence[str] = (), timeout_s: float = 120.0,
+               env: dict[str, str] | None = None):
+    """``run_torchrun`` without new interpreters: each rank forks from the launcher's server
+    (torch and megatron imported once) and runs ``script`` as ``__main__`` with torchrun's
+    environment, meeting the others at this process's store. Returns a completed process
+    whose stdout holds every rank's output, rank by rank, and whose return code is the first
+    failed rank's (a rank killed at the deadline raises, with the output so far).
+
+    For the launch itself (torchrun, signals, several nodes) keep ``run_torchrun``.
+    """
+    import subprocess
+
+    log_dir = tempfile.mkdtemp(prefix="script-")
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    outcomes = _run_once(_script_rank, nproc, (script, list(args), log_dir), timeout_s,
+                         full_env, False)
+
+    def read(name):
+        try:
+            return Path(log_dir, name).read_text()
+        except OSError:
+            return ""
+
+    output = "".join(read(f"rank{rank}.log") for rank in range(nproc))
+    peer_failed = any(outcome.status in ("error", "died") for outcome in outcomes.values())
+    codes = []
+    for rank in range(nproc):
+        outcome = outcomes[rank]
+        if outcome.status == "timeout" and not peer_failed:
+            raise DistributedTestFailure(
+                f"{script} on {nproc} ranks did not finish within {timeout_s:.0f}s; rank {rank} "
+                f"was at:\n{outcome.detail}\noutput:\n{output}")
+        if outcome.status == "ok":
+            codes.append(0)
+        elif outcome.status == "timeout":  # killed after a peer failed, as torchrun does
+            codes.append(-9)
+            output += f"\n[rank {rank} killed after a peer failed]\n"
+        elif outcome.status == "died":
+            codes.append(1)
+            output += f"\n[rank {rank} died: {outcome.detail}]\n"
+        else:
+            codes.append(int(read(f"rank{rank}.exit") or 1))
+            if "_ScriptFailed" not in outcome.detail:  # the launcher itself failed
+                output += f"\n[rank {rank}]\n{outcome.detail}"
+    returncode = next((code for code in codes if code), 0)
+    return subprocess.CompletedProcess([script, *args], returncode, output, None)
 
 
 @dataclass

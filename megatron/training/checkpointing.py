@@ -108,7 +108,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                                             opt_param_scheduler, consumed_samples)),
     )
     for step in steps:
-        failure = save_job.first_failure(save_job.attempt(step))
+        failure = save_job.first_failure(save_job.attempt(step, args.save))
         if failure is not None:
             if first:
                 shutil.rmtree(partial, ignore_errors=True)  # give the space back

@@ -27,7 +27,7 @@ import pytest
 from megatron.training.checkpoint.integrity import list_files, verify_checkpoint
 from tests.distributed.test_trainer import (  # noqa: F401 (data: the fixture)
     PRETRAIN, REPO, data, losses, run, small_gpt)
-from tests.launcher import run_torchrun
+from tests.launcher import run_script
 from tests.support.torchrun_job import TorchrunJob
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -161,14 +161,14 @@ def test_damaged_checkpoint_is_named_in_one_line_before_training(case, saved, da
     message = message.format(root=root, size=os.path.getsize(root / name)
                              if (root / name).exists() else 0)
     started = time.monotonic()
-    result = run_torchrun(PRETRAIN, 2, timeout_s=120, args=small_gpt(
+    result = run_script(PRETRAIN, 2, timeout_s=120, args=small_gpt(
         data, "--train-iters", "6", "--load", str(root), *PP2))
     output = result.stdout
     assert result.returncode != 0
     assert "error: " in output and message in output, output[-3000:]
     error_line = next(line for line in output.splitlines() if line.startswith("error: "))
     assert str(root) in error_line
-    assert not RANK_TRACEBACK.search(output), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     # Before the data is built, let alone a training step.
     assert "building train, validation, and test datasets" not in output
     assert not losses(output)

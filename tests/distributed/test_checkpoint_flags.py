@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from megatron.training.checkpoint.dcp_chunks import TensorPieces
 from megatron.training.checkpoint.integrity import verify_checkpoint
 from tests.distributed import checkpoint_flag_cases as cases
 from tests.distributed.test_trainer import PRETRAIN, data, losses, run, small_gpt  # noqa: F401
-from tests.launcher import run_ranks, run_torchrun
+from tests.launcher import run_ranks, run_script
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DP2 = ["--use-distributed-optimizer"]  # at 2 ranks: data parallel, optimizer state sharded
@@ -143,17 +142,17 @@ def test_pretrained_checkpoint_and_no_initialization(data, tmp_path):
 ])
 def test_a_load_directory_without_a_checkpoint_stops_in_one_line(extra, fails, line, data,
                                                                  tmp_path):
-    result = run_torchrun(PRETRAIN, 1, timeout_s=120, args=small_gpt(
+    result = run_script(PRETRAIN, 1, timeout_s=120, args=small_gpt(
         data, "--train-iters", "3", "--load", str(tmp_path), *extra))
     assert (result.returncode != 0) == fails, result.stdout[-3000:]
     assert line.format(empty=tmp_path) in result.stdout
     assert "starting training" not in result.stdout
-    assert not re.search(r"\[rank\d+\]: Traceback", result.stdout)  # torchrun's own may follow
+    assert "Traceback" not in result.stdout
 
 
 def test_resume_with_another_lr_names_both_scheduler_flags(data, tmp_path):
     run(1, small_gpt(data, "--train-iters", "3", "--save", str(tmp_path)))
-    result = run_torchrun(PRETRAIN, 1, timeout_s=120, args=small_gpt(
+    result = run_script(PRETRAIN, 1, timeout_s=120, args=small_gpt(
         data, "--train-iters", "5", "--load", str(tmp_path), "--lr", "1e-3"))
     assert result.returncode != 0
     errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]

@@ -24,7 +24,7 @@ import torch
 
 from megatron.training.checkpoint import integrity
 from tests.distributed.test_trainer import PRETRAIN, data, losses, run, small_gpt  # noqa: F401
-from tests.launcher import free_port
+from tests.launcher import free_port, run_script
 
 LAYOUTS = {
     "tp2-pp2-fp32": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
@@ -103,9 +103,7 @@ def test_torch_format_resumes_at_another_layout(source, target, data, tmp_path):
 def test_a_layout_upstream_cannot_hold_stops_at_the_save_in_one_line(data, tmp_path):
     # Buckets of 20000 elements put the tied embedding's start mid-bucket: upstream's own
     # distributed optimizer stops with an assertion there.
-    from tests.launcher import run_torchrun
-
-    result = run_torchrun(PRETRAIN, 4, timeout_s=240, args=_args(
+    result = run_script(PRETRAIN, 4, timeout_s=240, args=_args(
         data, "pp2-vpp2-dp2-distributed-fp32", "--overlap-grad-reduce", "--ddp-bucket-size",
         "20000", "--save", str(tmp_path), "--save-interval", "1", *TORCH))
     errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from tests.distributed import loop_logging_cases as cases
-from tests.launcher import run_ranks, run_torchrun
+from tests.launcher import run_ranks, run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
@@ -62,7 +62,7 @@ def mock_gpt(*extra):
 
 
 def run(nproc, args, timeout_s=240):
-    result = run_torchrun(PRETRAIN, nproc, args=args, timeout_s=timeout_s)
+    result = run_script(PRETRAIN, nproc, args=args, timeout_s=timeout_s)
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
 

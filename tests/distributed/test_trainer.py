@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.launcher import run_torchrun
+from tests.launcher import run_script, run_torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
@@ -55,7 +55,9 @@ def losses(output: str) -> dict[int, float]:
 
 
 def run(nproc, args, timeout_s=240):
-    result = run_torchrun(PRETRAIN, nproc, args=args, timeout_s=timeout_s)
+    """pretrain_gpt.py on ``nproc`` ranks as torchrun's workers (see ``run_script``); the tests
+    of the launch itself use ``run_torchrun``."""
+    result = run_script(PRETRAIN, nproc, args=args, timeout_s=timeout_s)
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from tests.distributed.upstream_config_cases import REPRESENTATIVE, scaled_down
-from tests.launcher import run_torchrun
+from tests.launcher import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_gpt.py")
@@ -39,7 +39,7 @@ def data(tmp_path_factory):
 
 def train(case: str, data, out, backend: str = "gloo"):
     run = scaled_down(*REPRESENTATIVE[case], data=data, out=out, backend=backend)
-    result = run_torchrun(PRETRAIN, run.world_size, args=run.argv, timeout_s=420, env=run.env)
+    result = run_script(PRETRAIN, run.world_size, args=run.argv, timeout_s=420, env=run.env)
     assert result.returncode == 0, result.stdout[-5000:]
     return result.stdout
 

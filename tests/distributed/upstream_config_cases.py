@@ -4,9 +4,9 @@ A configuration (tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl) keeps ever
 -- parallel layout, precision, schedule, logging, checkpoint format, model features -- except
 the sizes, the paths and the backend: the model shrinks to hidden 64, 4 heads and sequences of
 64 tokens, iterations to 2, the data to the quickstart corpus and its SentencePiece tokenizer,
-the data-parallel size to at most 2 (the number of microbatches per iteration, up to 8, and the
-batch ramp-up keep their shape), tensor parallelism to at most 4 and pipeline parallelism to at
-most 4.
+the data-parallel size to 2 where a flag depends on it and 1 elsewhere (the number of
+microbatches per iteration, up to 8, and the batch ramp-up keep their shape), tensor and pipeline
+parallelism to at most 4 each, and the ranks to at most 8.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ _REPLACED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-type",
              "--rampup-batch-size", "--num-layers", "--lr-warmup-samples", "--lr-decay-samples",
              "--distributed-timeout-minutes", "--pipeline-model-parallel-size"}
 _WORLD = 8  # every configuration is one node of 8 GPUs
+_MAX_RANKS = 8
+# Flags whose behaviour depends on the data-parallel group.
+_DATA_PARALLEL_FLAGS = {"--use-distributed-optimizer", "--overlap-grad-reduce",
+                        "--overlap-param-gather", "--num-distributed-optimizer-instances",
+                        "--calculate-per-token-loss", "--rampup-batch-size"}
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,12 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
     micro = value("--micro-batch-size", 1)
     microbatches = min(8, value("--global-batch-size", micro * dp) // (micro * dp))
     instances = value("--num-distributed-optimizer-instances", 1)
-    new_tp, new_pp, new_dp = min(tp, 4), min(pp, 4), max(min(dp, 2), instances)
+    # Data parallelism only where the configuration does something with it, and at most 8
+    # ranks in all (two cores run them): tensor parallelism gives way first.
+    new_dp = max(min(dp, 2), instances) if _DATA_PARALLEL_FLAGS & flags.keys() else 1
+    new_tp, new_pp = min(tp, 4), min(pp, 4)
+    while new_tp * new_pp * new_dp > _MAX_RANKS and new_tp > 1:
+        new_tp //= 2
     layers = value("--num-layers", 4)
     argv = [word for flag, values in flags.items() if flag not in _REPLACED
             for word in (flag, *values)]

@@ -30,7 +30,7 @@ from megatron.training.checkpoint.rng_state import restore_rng_state
 from megatron.training.checkpoint.upstream_dist import DistSource
 from tests.distributed.test_trainer import PRETRAIN, losses
 from tests.gpu.nccl_support import REPO
-from tests.launcher import run_torchrun
+from tests.launcher import run_script
 from tests.upstream.real_upstream import LAYOUTS, relative_difference
 from tests.upstream.tiny_corpus import data_flags
 
@@ -57,7 +57,7 @@ def test_resuming_upstreams_checkpoint_gives_upstreams_losses(name, tmp_path):
             *record["layouts"][name], *record["optimizer_flags"][fixture["optimizer"]],
             "--ckpt-format", fixture["format"], "--load", str(checkpoint),
             "--distributed-backend", "gloo"]
-    done = run_torchrun(PRETRAIN, LAYOUTS[fixture["layout"]].ranks, args=args,
+    done = run_script(PRETRAIN, LAYOUTS[fixture["layout"]].ranks, args=args,
                         timeout_s=DEADLINE_S)
     assert done.returncode == 0, done.stdout[-4000:]
     expected = {int(k): v for k, v in fixture["resume_losses"].items()}

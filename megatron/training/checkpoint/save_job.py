@@ -58,10 +58,12 @@ def _first_cause(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def attempt(step: Callable[[], object]) -> Optional[str]:
-    """Run ``step``; None, or why it failed on this rank. A CheckpointError (a checkpoint this
-    run cannot write, decided alike on every rank) goes through; an error that is no failed
-    write (a bug) also prints its traceback, so that it is not reduced to one line unseen."""
+def attempt(step: Callable[[], object], root: str) -> Optional[str]:
+    """Run ``step``; None, or why it failed on this rank, with the room left under ``root``
+    measured there and then (so that every rank reports the same figure). A CheckpointError
+    (a checkpoint this run cannot write, decided alike on every rank) goes through; an error
+    that is no failed write (a bug) also prints its traceback, so that it is not reduced to one
+    line unseen."""
     try:
         step()
         return None
@@ -76,9 +78,9 @@ def attempt(step: Callable[[], object]) -> Optional[str]:
         cause = _first_cause(error)
         if not written:
             cause = f"{type(error).__name__}: {cause}"
-        if isinstance(error, CheckpointException):  # which names the rank already
-            return cause
-        return f"rank {_rank_and_size()[0]}: {cause}"
+        if not isinstance(error, CheckpointException):  # which names the rank already
+            cause = f"rank {_rank_and_size()[0]}: {cause}"
+        return f"{cause}; {_free_space(root)}"
 
 
 def first_failure(mine: Optional[str]) -> Optional[str]:
@@ -100,9 +102,8 @@ def _free_space(root: str) -> str:
 
 def write_error(partial: str, root: str, failure: str) -> CheckpointError:
     return CheckpointError(
-        f"cannot write checkpoint {partial}: the disk is full or the write failed ({failure}; "
-        f"{_free_space(root)}); {os.path.join(root, TRACKER)} still names the last complete "
-        f"checkpoint")
+        f"cannot write checkpoint {partial}: the disk is full or the write failed ({failure}); "
+        f"{os.path.join(root, TRACKER)} still names the last complete checkpoint")
 
 
 def publish(partial: str, final: str, root: str, iteration: int) -> None:
@@ -171,10 +172,10 @@ class SaveJob:
         print(f"  successfully saved checkpoint at iteration {self.iteration:7d}", flush=True)
 
     def _write(self) -> None:
-        self._write_failure = attempt(self._write_part)
+        self._write_failure = attempt(self._write_part, self.root)
 
     def _publish(self) -> None:
-        self._publish_failure = attempt(self._publish_part)
+        self._publish_failure = attempt(self._publish_part, self.root)
 
     def run(self) -> None:
         """Write and publish now (collective)."""
