@@ -37,11 +37,11 @@ def test_typed_configs_round_trip(world):
                                 "--tensor-model-parallel-size", "2"))
     parallel = config_from_args(args, DistributedArgs)
     # Variable lengths are not bucketed on CPU (gloo); without interleaving parameter
-    # all-gathers are not aligned (as upstream).
+    # all-gathers are not aligned (as upstream); the local rank is $LOCAL_RANK's, else 0.
     assert parallel == DistributedArgs(tensor_model_parallel_size=2,
                                        pipeline_model_parallel_size=2,
                                        distributed_backend="gloo", variable_seq_length_multiple=1,
-                                       align_param_gather=False)
+                                       align_param_gather=False, local_rank=0)
     training = config_from_args(args, TrainingArgs)
     # validate_args turns fused gradient accumulation off on CPU: it is a CUDA GEMM's.
     assert training.sequence_parallel and not training.gradient_accumulation_fusion

@@ -9,7 +9,6 @@ has the config field but forces it off), ``--variable-seq-length-multiple``,
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 from megatron.training.flags.schema import option, unavailable
@@ -87,8 +86,8 @@ class DistributedArgs:
         "sharded)")
     use_ring_exchange_p2p: bool = unavailable(False, "needs a custom torch build; pipeline p2p "
                                               "uses torch.distributed's isend/irecv")
-    local_rank: int = option(int(os.getenv("LOCAL_RANK", "0")),
-                             "local rank (default: $LOCAL_RANK, set by torchrun)")
+    local_rank: Optional[int] = option(None, "local rank (default: $LOCAL_RANK, set by torchrun, "
+                                       "else 0)", parse=int)
     lazy_mpu_init: Optional[bool] = unavailable(None, "process groups are always created at "
                                                 "start-up", parse=bool)
     account_for_embedding_in_pipeline_split: bool = option(

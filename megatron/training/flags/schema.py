@@ -26,6 +26,10 @@ from typing import Any, Callable, Iterable, Optional
 IMPLEMENTED, ACCEPTED, REFUSED = "implemented", "accepted", "refused"
 
 
+class ArgumentError(ValueError):
+    """Arguments that cannot work together, or a feature this tree lacks; names the flags."""
+
+
 def option(default: Any, help: str, *, choices: Optional[Iterable] = None,
            flags: Optional[tuple[str, ...]] = None, negative: Optional[tuple[str, ...]] = None,
            nargs: Optional[str] = None, parse: Optional[Callable[[str], Any]] = None,

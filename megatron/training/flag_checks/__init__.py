@@ -1,0 +1,1 @@
+"""Checks of flag combinations, by subject; ``megatron.training.arguments`` runs them."""

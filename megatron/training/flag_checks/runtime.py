@@ -1,0 +1,132 @@
+"""Precision, the runtime (backend, NCCL, Transformer Engine), model options and checkpoint
+flags: combinations that cannot work, named by their flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import torch
+
+from megatron.core.transformer.enums import AttnBackend
+from megatron.training.flags.schema import ArgumentError
+
+
+def check_precision(args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are alternatives; give one")
+    if args.use_precision_aware_optimizer and (
+            args.optimizer != "adam" or not (args.fp16 or args.bf16)):
+        raise ArgumentError("--use-precision-aware-optimizer needs --bf16 or --fp16 and "
+                            "--optimizer adam: it keeps fp32 main weights beside half-precision "
+                            "ones")
+    args.params_dtype = (torch.float16 if args.fp16 else
+                         torch.bfloat16 if args.bf16 else torch.float32)
+    if args.fp16 and not args.loss_scale:
+        # As upstream: with dynamic loss scaling an overflow is a signal to the scaler.
+        args.check_for_nan_in_loss_and_grad = False
+    if args.bf16:
+        # As upstream: bf16's 8-bit mantissa drops small gradient contributions, so gradients
+        # are accumulated over microbatches and reduced in fp32 (also the optimizer's dtype).
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.fp16_lm_cross_entropy and not args.fp16:
+        raise ArgumentError("--fp16-lm-cross-entropy needs --fp16")
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            raise ArgumentError("--start-weight-decay and --end-weight-decay need "
+                                "--weight-decay-incr-style linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs "
+                            f"--start-weight-decay and --end-weight-decay")
+
+
+_DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def _nccl_version() -> Optional[tuple]:
+    """The NCCL torch runs with, where this build has one."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def check_runtime(args: argparse.Namespace) -> None:
+    # The weight-gradient GEMM accumulates into main_grad on CUDA with the local layers (torch's
+    # own GEMM; Transformer Engine's fused accumulation is left off, as nothing here tests it).
+    args.gradient_accumulation_fusion = (args.gradient_accumulation_fusion
+                                         and args.distributed_backend == "nccl"
+                                         and args.transformer_impl == "local")
+    if args.variable_seq_length_multiple is None:
+        # On GPUs each new length costs about 0.2 s of cuDNN attention planning (H200): 8
+        # bounds a run to 1/8 of the lengths for at most 7 padded tokens per microbatch.
+        args.variable_seq_length_multiple = 8 if args.distributed_backend == "nccl" else 1
+    if args.variable_seq_length_multiple < 1:
+        raise ArgumentError(f"--variable-seq-length-multiple must be at least 1, got "
+                            f"{args.variable_seq_length_multiple}")
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        raise ArgumentError("--distributed-backend nccl needs CUDA devices and none is "
+                            "visible; on CPU use --distributed-backend gloo")
+    if args.distributed_startup_timeout_seconds <= 0 or args.distributed_timeout_minutes <= 0:
+        raise ArgumentError("--distributed-startup-timeout-seconds and "
+                            "--distributed-timeout-minutes must be positive")
+    if args.deterministic_mode and args.distributed_backend == "nccl" and \
+            os.environ.get("NCCL_ALGO") not in _DETERMINISTIC_NCCL_ALGOS:
+        raise ArgumentError(f"--deterministic-mode with NCCL needs NCCL_ALGO set to one of "
+                            f"{', '.join(_DETERMINISTIC_NCCL_ALGOS)} (the reduction order must "
+                            f"not change between runs); it is "
+                            f"{os.environ.get('NCCL_ALGO', 'unset')}")
+    nccl = _nccl_version() if args.distributed_backend == "nccl" else None
+    if os.environ.get("NCCL_ALGO") == "Tree" and nccl is not None and nccl >= (2, 28):
+        # Measured with NCCL 2.28.9: Tree only implements all-reduce, and a broadcast or
+        # all-gather then fails with "no algorithm/protocol available".
+        raise ArgumentError(f"NCCL_ALGO=Tree: NCCL {'.'.join(map(str, nccl))} has no Tree "
+                            f"broadcast or all-gather, which training needs; use NCCL_ALGO=Ring "
+                            f"(deterministic as well)")
+    # What the command line asked for: --ckpt-format torch names the saved tensors after it.
+    args.transformer_impl_requested = args.transformer_impl
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.transformer.te_backend import transformer_engine_available
+
+        if not transformer_engine_available():
+            # Same parameters, names and math: only the kernels differ.
+            if args.rank == 0:
+                print("note: Transformer Engine is not installed; --transformer-impl "
+                      "transformer_engine runs the local layers", flush=True)
+            args.transformer_impl = "local"
+
+
+def check_model_flags(args: argparse.Namespace) -> None:
+    activations = [flag for flag, given in (("--swiglu", args.swiglu),
+                                            ("--squared-relu", args.squared_relu),
+                                            ("--openai-gelu", args.openai_gelu)) if given]
+    if len(activations) > 1:
+        raise ArgumentError(f"{' and '.join(activations)} each choose the MLP activation; "
+                            f"give one")
+    if args.attention_backend == AttnBackend.local and args.transformer_impl != "local":
+        raise ArgumentError("--attention-backend local is the local layers' own attention; it "
+                            "needs --transformer-impl local")
+    factor = args.rotary_seq_len_interpolation_factor
+    if factor is not None and factor < 1:
+        raise ArgumentError(f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+    if args.use_rope_scaling and args.rope_scaling_factor <= 0:
+        raise ArgumentError(f"--rope-scaling-factor must be positive, got "
+                            f"{args.rope_scaling_factor}")
+
+
+def check_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
+    if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load and an iteration >= 0")
+    if args.async_save and args.save is None:
+        raise ArgumentError("--async-save needs --save (where to write checkpoints)")
+    if not args.perform_initialization and args.load is None and \
+            args.pretrained_checkpoint is None:
+        raise ArgumentError("--no-initialization leaves the weights to a checkpoint: give "
+                            "--load or --pretrained-checkpoint")
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ArgumentError("--use-checkpoint-opt_param-scheduler and "
+                            "--override-opt_param-scheduler are alternatives; give one")
