@@ -14,6 +14,15 @@ Deviations from upstream worth knowing:
 * Expert parallelism, the encoder/decoder split, SHARP, NCCL communicator
   configs and custom embedding-rank callables are not supported; asking for
   them raises ValueError.
+* No expert groups are created. The expert getters answer as upstream does with
+  expert parallelism off, returning the group of this tree that has the same
+  members (the expert tensor-parallel group is the tensor-parallel group, the
+  expert data-parallel group the data(+context)-parallel group, ...); where no
+  such group exists for the layout they raise RuntimeError.
+* Where upstream asserts or raises RuntimeError at initialisation, the errors
+  here are of both kinds: :class:`DistributedNotInitializedError` is a
+  RuntimeError and an AssertionError, :class:`ParallelLayoutError` a ValueError
+  and a RuntimeError.
 * ``destroy_model_parallel`` also clears the ``set_data_parallel_rank``
   override and the group-creation log.
 * The pipeline next/prev/last-rank getters come from real group membership and
@@ -24,18 +33,24 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from megatron.core import process_groups
 from megatron.core.process_groups import (
+    GLOO_TWINS,
     ParallelLayout,
     ProcessGroups,
     build_process_groups,
     destroy_process_groups,
     reset_created_groups,
 )
+
+# Upstream defines its rank arithmetic in this module; ours lives with the groups.
+RankGenerator = process_groups.RankGenerator
+generate_masked_orthogonal_rank_groups = process_groups.generate_masked_orthogonal_rank_groups
 
 
 @dataclass
@@ -51,9 +66,22 @@ class _ParallelState:
     tensor_rank: int | None = None
     pipeline_rank: int | None = None
     data_parallel_rank: int | None = None
+    expert_model_world_size: int | None = None
+    expert_model_rank: int | None = None
+    expert_tensor_world_size: int | None = None
+    expert_tensor_rank: int | None = None
 
 
 _state = _ParallelState()
+
+
+class DistributedNotInitializedError(RuntimeError, AssertionError):
+    """torch.distributed is not initialised; upstream asserts it, so callers may catch either."""
+
+
+class ParallelLayoutError(ValueError, RuntimeError):
+    """The parallel sizes or order do not fit the job; upstream raises RuntimeError for these."""
+
 
 # Upstream's hook for choosing embedding stages: (pipeline ranks, split rank) -> ranks.
 EmbeddingRanksFn = Callable[[list[int], int | None], list[int]]
@@ -127,22 +155,40 @@ def initialize_model_parallel(
             f"({tensor_model_parallel_size})"
         )
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
+        raise DistributedNotInitializedError(
             "initialize_model_parallel() needs torch.distributed to be initialised first "
             "(call torch.distributed.init_process_group())"
         )
-    layout = ParallelLayout(
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        order=order,
-        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
-    )
+    try:
+        layout = _layout_with_upstream_order(
+            ParallelLayout(
+                world_size=dist.get_world_size(),
+                tensor_model_parallel_size=tensor_model_parallel_size,
+                pipeline_model_parallel_size=pipeline_model_parallel_size,
+                context_parallel_size=context_parallel_size,
+                virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+            ),
+            order,
+        )
+    except (ValueError, RuntimeError) as error:
+        raise ParallelLayoutError(str(error)) from error
     initialize_model_parallel_from_layout(
         layout, timeout=datetime.timedelta(minutes=distributed_timeout_minutes)
     )
+
+
+def _layout_with_upstream_order(layout: ParallelLayout, order: str) -> ParallelLayout:
+    """``layout`` in ``order``, which may leave out dimensions of size 1 as upstream allows."""
+    generator = RankGenerator(
+        tp=layout.tensor_model_parallel_size,
+        ep=1,
+        dp=layout.data_parallel_size,
+        pp=layout.pipeline_model_parallel_size,
+        cp=layout.context_parallel_size,
+        order=order,
+    )
+    return replace(layout, order=generator.order)
 
 
 def initialize_model_parallel_from_layout(
@@ -159,7 +205,7 @@ def initialize_model_parallel_from_layout(
             "before initialising it again"
         )
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
+        raise DistributedNotInitializedError(
             "initialize_model_parallel_from_layout() needs torch.distributed to be "
             "initialised first (call torch.distributed.init_process_group())"
         )
@@ -254,9 +300,11 @@ def get_data_parallel_group_gloo(
     _check_partial(partial_data_parallel, with_context_parallel)
     groups = _groups("get_data_parallel_group_gloo")
     if partial_data_parallel and groups.intra_dp_cp is not None:
-        group = groups.intra_dp_cp_gloo
-    else:
-        group = groups.dp_cp_gloo if with_context_parallel else groups.dp_gloo
+        return _created_gloo(groups.intra_dp_cp_gloo)
+    return _created_gloo(groups.dp_cp_gloo if with_context_parallel else groups.dp_gloo)
+
+
+def _created_gloo(group: Any | None) -> Any:
     if group is None:
         raise RuntimeError(
             "the gloo data-parallel groups were not created "
@@ -327,6 +375,16 @@ def get_tensor_and_context_parallel_group() -> Any:
     return _groups("get_tensor_and_context_parallel_group").tp_cp
 
 
+def get_amax_reduction_group(
+    with_context_parallel: bool = False, tp_only_amax_red: bool = False
+) -> Any:
+    """The group over which FP8 amax values are reduced: tensor(+data)(+context) parallel."""
+    groups = _groups("get_amax_reduction_group")
+    if tp_only_amax_red:
+        return groups.tp_cp if with_context_parallel else groups.tp
+    return groups.tp_dp_cp if with_context_parallel else groups.tp_dp
+
+
 # ------------------------------------------------------------------ tensor / pipeline
 
 
@@ -375,6 +433,28 @@ def get_pipeline_model_parallel_rank() -> int:
 def get_pipeline_model_parallel_split_rank() -> None:
     """Always None: the encoder/decoder pipeline split is not supported."""
     return None
+
+
+def get_pipeline_model_parallel_decoder_start() -> None:
+    """Always None: there is no separate encoder pipeline."""
+    return None
+
+
+def is_inside_encoder(rank: int | None = None) -> bool:
+    """Upstream's answer when the encoder shares the pipeline: only stage ``rank`` 0 (default:
+    this rank's stage) runs it, or every stage of a one-stage pipeline."""
+    if get_pipeline_model_parallel_world_size() == 1:
+        return True
+    if rank is None:
+        rank = get_pipeline_model_parallel_rank()
+    return rank == 0
+
+
+def is_inside_decoder(rank: int | None = None) -> bool:
+    """True for every stage (``rank`` is accepted for upstream's signature): there is no
+    separate encoder pipeline."""
+    get_pipeline_model_parallel_world_size()  # fails before initialisation, as upstream's does
+    return True
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
@@ -431,6 +511,10 @@ def is_rank_in_position_embedding_group() -> bool:
 
 def get_tensor_model_parallel_src_rank() -> int:
     return _groups("get_tensor_model_parallel_src_rank").tp_ranks[0]
+
+
+def get_model_parallel_src_rank() -> int:
+    return _groups("get_model_parallel_src_rank").mp_ranks[0]
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
@@ -511,18 +595,140 @@ def get_tensor_and_context_parallel_rank() -> int:
     return 0 if groups is None else groups.tp_cp_ranks.index(groups.rank)
 
 
-# ------------------------------------------------------------------ expert (always off)
+# ------------------------------------------------------------------ expert (parallelism off)
+
+
+def _expert_stand_in(token: str, caller: str) -> tuple[ProcessGroups, str]:
+    """The groups and the kind among them with the members of upstream's expert group ``token``."""
+    groups = _groups(caller)
+    expert = groups.expert[token]
+    if expert.stand_in is None:
+        layout = groups.layout
+        raise RuntimeError(
+            f"{caller}(): this tree creates no expert groups, and none of its groups has exactly "
+            f"the members of upstream's, ranks {list(expert.ranks)}, with "
+            f"tp={layout.tensor_model_parallel_size}, cp={layout.context_parallel_size}, "
+            f"dp={layout.data_parallel_size}, pp={layout.pipeline_model_parallel_size} in order "
+            f"{layout.order!r}"
+        )
+    return groups, expert.stand_in
+
+
+def _expert_group(token: str, caller: str, check_initialized: bool = True) -> Any:
+    if not check_initialized and _state.groups is None:
+        return None
+    groups, kind = _expert_stand_in(token, caller)
+    return getattr(groups, kind)
+
+
+def _expert_size(token: str, caller: str) -> int:
+    groups = _groups_unless_no_distributed(caller)
+    return 0 if groups is None else len(groups.expert[token].ranks)
+
+
+def _expert_rank(token: str, caller: str) -> int:
+    groups = _groups_unless_no_distributed(caller)
+    return 0 if groups is None else groups.expert[token].ranks.index(groups.rank)
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True) -> Any:
+    """A group of this rank alone (a group of this tree that has size 1 in the layout)."""
+    return _expert_group("ep", "get_expert_model_parallel_group", check_initialized)
+
+
+def set_expert_model_parallel_world_size(world_size: int | None) -> None:
+    _state.expert_model_world_size = world_size
 
 
 def get_expert_model_parallel_world_size() -> int:
-    """1 once initialised: expert parallelism is not supported, so every rank is its own group."""
-    groups = _groups_unless_no_distributed("get_expert_model_parallel_world_size")
-    return 0 if groups is None else 1
+    """1 once initialised (0 without torch.distributed), unless overridden."""
+    if _state.expert_model_world_size is not None:
+        return _state.expert_model_world_size
+    return _expert_size("ep", "get_expert_model_parallel_world_size")
+
+
+def set_expert_model_parallel_rank(rank: int | None) -> None:
+    _state.expert_model_rank = rank
 
 
 def get_expert_model_parallel_rank() -> int:
-    _groups_unless_no_distributed("get_expert_model_parallel_rank")
-    return 0
+    if _state.expert_model_rank is not None:
+        return _state.expert_model_rank
+    return _expert_rank("ep", "get_expert_model_parallel_rank")
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> Any:
+    """The tensor-parallel group: the expert tensor-parallel size is the tensor-parallel size."""
+    return _expert_group("tp", "get_expert_tensor_parallel_group", check_initialized)
+
+
+def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
+    _state.expert_tensor_world_size = world_size
+
+
+def get_expert_tensor_parallel_world_size() -> int | None:
+    """Unless overridden: before initialisation, as upstream, the tensor-parallel override."""
+    if _state.expert_tensor_world_size is not None:
+        return _state.expert_tensor_world_size
+    if _state.groups is None:
+        return _state.tensor_world_size
+    return len(_state.groups.expert["tp"].ranks)
+
+
+def set_expert_tensor_parallel_rank(rank: int | None) -> None:
+    _state.expert_tensor_rank = rank
+
+
+def get_expert_tensor_parallel_rank() -> int | None:
+    """Unless overridden: before initialisation, as upstream, the tensor-parallel override."""
+    if _state.expert_tensor_rank is not None:
+        return _state.expert_tensor_rank
+    groups = _state.groups
+    if groups is None:
+        return _state.tensor_rank
+    return groups.expert["tp"].ranks.index(groups.rank)
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> Any:
+    """The tensor-parallel group (expert tensor x expert model parallel, the latter of size 1)."""
+    return _expert_group("tp-ep", "get_expert_tensor_and_model_parallel_group", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return _expert_size("tp-ep", "get_expert_tensor_and_model_parallel_world_size")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return _expert_rank("tp-ep", "get_expert_tensor_and_model_parallel_rank")
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> Any:
+    """The model-parallel (tensor x pipeline) group."""
+    return _expert_group("tp-ep-pp", "get_expert_tensor_model_pipeline_parallel_group")
+
+
+def get_expert_data_parallel_group() -> Any:
+    """The data-parallel group; with context parallelism, the data+context-parallel group."""
+    return _expert_group("dp", "get_expert_data_parallel_group")
+
+
+def get_data_modulo_expert_parallel_group() -> Any:
+    """Deprecated upstream spelling of ``get_expert_data_parallel_group()``."""
+    warnings.warn(
+        "get_data_modulo_expert_parallel_group is deprecated, use get_expert_data_parallel_group "
+        "instead", DeprecationWarning, stacklevel=2
+    )
+    return get_expert_data_parallel_group()
+
+
+def get_expert_data_parallel_group_gloo() -> Any:
+    groups, kind = _expert_stand_in("dp", "get_expert_data_parallel_group_gloo")
+    twin = next(twin for twin, twinned in GLOO_TWINS.items() if twinned == kind)
+    return _created_gloo(getattr(groups, twin))
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _expert_rank("dp", "get_expert_data_parallel_rank")
 
 
 def get_all_ranks() -> str:
@@ -535,3 +741,13 @@ def get_all_ranks() -> str:
         get_expert_model_parallel_rank(),
     ]
     return "_".join(str(rank or 0) for rank in ranks)
+
+
+def __getattr__(name: str) -> Any:
+    # Upstream's own tests read two of its module globals directly.
+    groups = _state.groups
+    if name == "_MODEL_PARALLEL_GROUP":
+        return None if groups is None else groups.mp
+    if name == "_PIPELINE_GLOBAL_RANKS":
+        return None if groups is None else list(groups.pp_ranks)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,13 @@ parallel dimensions from the fastest-varying to the slowest-varying one, so
 with the default ``"tp-cp-ep-dp-pp"`` neighbouring ranks share a tensor
 parallel group and pipeline stages are the farthest apart. Within a group,
 members are listed in ascending rank order, and groups of one kind are listed
-by their remaining coordinates, again fastest dimension first.
+by their remaining coordinates, again fastest dimension first. All rank lists
+come from :func:`generate_masked_orthogonal_rank_groups`, which upstream's
+:class:`RankGenerator` also wraps.
+
+Expert parallelism is always off here, so no expert groups are created: each of
+upstream's expert groups of a rank is answered by a group of this tree with exactly
+the same members where one exists (see :func:`expert_group_stand_ins`).
 """
 
 from __future__ import annotations
@@ -89,10 +95,14 @@ class RankCoordinates(NamedTuple):
     pp: int
 
 
-def _parse_order(order: Any) -> tuple[str, ...]:
+def _split_order(order: Any) -> list[str]:
     if not isinstance(order, str):
         raise ValueError(f"order must be a string such as 'tp-cp-ep-dp-pp', got {order!r}")
-    tokens = order.lower().split("-")
+    return order.lower().split("-")
+
+
+def _token_problems(tokens: list[str]) -> list[str]:
+    """Unknown and repeated tokens of an order (which dimensions it leaves out is checked apart)."""
     problems = []
     unknown = [t for t in tokens if t not in ORDER_TOKENS]
     if unknown:
@@ -100,15 +110,45 @@ def _parse_order(order: Any) -> tuple[str, ...]:
     repeated = sorted({t for t in tokens if tokens.count(t) > 1})
     if repeated:
         problems.append(f"repeated token(s) {repeated}")
+    return problems
+
+
+def _order_error(order: str, problems: list[str]) -> ValueError:
+    return ValueError(
+        f"order {order!r} must be a '-'-separated permutation of "
+        f"{'-'.join(ORDER_TOKENS)}: " + "; ".join(problems)
+    )
+
+
+def _parse_order(order: Any) -> tuple[str, ...]:
+    tokens = _split_order(order)
+    problems = _token_problems(tokens)
     missing = [t for t in ORDER_TOKENS if t not in tokens]
     if missing:
         problems.append(f"missing token(s) {missing}")
     if problems:
-        raise ValueError(
-            f"order {order!r} must be a '-'-separated permutation of "
-            f"{'-'.join(ORDER_TOKENS)}: " + "; ".join(problems)
-        )
+        raise _order_error(order, problems)
     return tuple(tokens)
+
+
+def complete_order(order: Any, sizes: dict[str, int]) -> str:
+    """``order`` in lower case with the dimensions it leaves out appended (in ``sizes``' order).
+
+    Upstream lets an order leave out a dimension of size 1 (its place does not change any
+    rank), but not a larger one: that is a RuntimeError there, and here too.
+    """
+    tokens = _split_order(order)
+    problems = _token_problems(tokens)
+    if problems:
+        raise _order_error(order, problems)
+    missing = [token for token in sizes if token not in tokens]
+    sized = [f"{token}={sizes[token]}" for token in missing if sizes[token] != 1]
+    if sized:
+        raise RuntimeError(
+            f"order {order!r} leaves out {', '.join(sized)}; only dimensions of size 1 may be "
+            f"left out"
+        )
+    return "-".join(tokens + missing)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -123,6 +163,79 @@ def _offsets(axes: Sequence[tuple[int, int]]) -> list[int]:
     for stride, size in axes:
         offsets = [step * stride + base for step in range(size) for base in offsets]
     return offsets
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
+) -> list[list[int]]:
+    """The rank groups that span the dimensions ``mask`` selects, upstream's way.
+
+    A rank's coordinates along ``parallel_size`` vary first dimension fastest (the first
+    dimension has stride 1). A group is every rank that shares the coordinates of the
+    dimensions not selected; both the groups and each group's members are listed first
+    dimension fastest. Unlike upstream, ``world_size`` must be the product of the sizes.
+    """
+    if len(mask) != len(parallel_size):
+        raise ValueError(
+            f"mask {list(mask)} and parallel_size {list(parallel_size)} differ in length"
+        )
+    strides = []
+    product = 1
+    for index, size in enumerate(parallel_size):
+        _check_positive_int(f"parallel_size[{index}]", size)
+        strides.append(product)
+        product *= size
+    if world_size != product:
+        raise ValueError(
+            f"world_size {world_size} is not the product of parallel_size {list(parallel_size)} "
+            f"({product})"
+        )
+    axes = list(zip(strides, parallel_size))
+    members = _offsets([axis for axis, chosen in zip(axes, mask) if chosen])
+    bases = _offsets([axis for axis, chosen in zip(axes, mask) if not chosen])
+    return [[base + offset for offset in members] for base in bases]
+
+
+class RankGenerator:
+    """Upstream's rank lists for a grid of tensor x expert x data x pipeline x context ranks.
+
+    ``order`` lists the dimensions fastest-varying first and may leave out those of size 1;
+    ``rank_offset`` is added to every rank. Upstream keeps expert and context parallelism in
+    separate generators, so at most one of ``ep`` and ``cp`` may exceed 1.
+    """
+
+    def __init__(
+        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+    ) -> None:
+        # Upstream's own insertion order: left-out dimensions are appended in it.
+        self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        for name, size in self.name_to_size.items():
+            _check_positive_int(name, size)
+        if ep != 1 and cp != 1:
+            raise ValueError(f"ep={ep} and cp={cp}: one RankGenerator takes expert or context "
+                             f"parallelism, not both")
+        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+            raise ValueError(f"rank_offset must be an integer >= 0, got {rank_offset!r}")
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.rank_offset = rank_offset
+        self.world_size = tp * ep * dp * pp * cp
+        self.order = complete_order(order, self.name_to_size)
+        self.ordered_size = [self.name_to_size[token] for token in self.order.split("-")]
+
+    def get_mask(self, order: str, token: str) -> list[bool]:
+        """Per dimension of ``order``, whether ``token`` (dimensions joined by '-') names it."""
+        dimensions = order.split("-")
+        wanted = token.split("-")
+        absent = [name for name in wanted if name not in dimensions]
+        if absent:
+            raise ValueError(f"token {token!r} names {absent}, which order {order!r} lacks")
+        return [dimension in wanted for dimension in dimensions]
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Every group spanning the dimensions of ``token`` (e.g. ``"tp-dp"``), as rank lists."""
+        mask = self.get_mask(self.order, token)
+        groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
+        return [[rank + self.rank_offset for rank in group] for group in groups]
 
 
 @dataclass(frozen=True)
@@ -233,10 +346,11 @@ class ParallelLayout:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
 
     def _spanning(self, dimensions: frozenset[str]) -> list[list[int]]:
-        inside = [(stride, size) for token, size, stride in self._axes if token in dimensions]
-        outside = [(stride, size) for token, size, stride in self._axes if token not in dimensions]
-        members = _offsets(inside)
-        return [[base + offset for offset in members] for base in _offsets(outside)]
+        return generate_masked_orthogonal_rank_groups(
+            self.world_size,
+            [size for _, size, _ in self._axes],
+            [token in dimensions for token, _, _ in self._axes],
+        )
 
     # ---------------------------------------------------------- rank lists
 
@@ -291,6 +405,19 @@ class ParallelLayout:
                 for group in self.data_parallel_ranks(with_context_parallel=True)
                 for offset in range(run)]
 
+    def expert_rank_generator(self) -> RankGenerator:
+        """Upstream's expert rank generator for this layout, expert parallelism being off: its
+        tensor-parallel size is ours, and its data-parallel dimension takes in context
+        parallelism."""
+        return RankGenerator(
+            tp=self.tensor_model_parallel_size,
+            ep=1,
+            dp=self.data_parallel_size * self.context_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            cp=1,
+            order=self.order,
+        )
+
     def distributed_optimizer_instance_ranks(self) -> list[list[int]]:
         """Per instance, its ranks of every model-parallel rank (one optimizer's whole state)."""
         instances = self.num_distributed_optimizer_instances
@@ -331,6 +458,53 @@ class ParallelLayout:
             raise ValueError(f"unknown group kind {kind!r}; expected one of "
                              f"{_CREATION_ORDER + PARTIAL_OPTIMIZER_KINDS}")
         return self._spanning(_KIND_DIMENSIONS[kind])
+
+
+# ------------------------------------------------------------------ expert groups
+
+# Upstream's expert group kinds (tokens of its expert rank generator), each with the kinds of
+# this tree, in order of preference, whose groups can have the same members.
+EXPERT_STAND_INS: dict[str, tuple[str, ...]] = {
+    "ep": ("cp", "tp", "dp", "pp"),  # this rank alone: any kind of size 1
+    "tp": ("tp",),
+    "tp-ep": ("tp",),
+    "tp-ep-pp": ("mp",),
+    "dp": ("dp", "dp_cp"),
+}
+
+
+class ExpertGroup(NamedTuple):
+    """One of upstream's expert groups of a rank, and the kind of this tree (None if there is
+    none) whose group of that rank has exactly its members in the same order."""
+
+    ranks: tuple[int, ...]
+    stand_in: str | None
+
+
+def _group_holding(rank: int, groups: list[list[int]]) -> tuple[int, ...]:
+    return next(tuple(group) for group in groups if rank in group)
+
+
+def expert_group_stand_ins(layout: ParallelLayout, rank: int) -> dict[str, ExpertGroup]:
+    """Upstream's expert groups of ``rank`` with expert parallelism off, keyed by token.
+
+    Each equals a group of this tree (the expert tensor-parallel group is the tensor-parallel
+    one, the expert data-parallel group the data(+context)-parallel one, ...) but in two cases,
+    where its stand-in is None: the expert-model-parallel group (this rank alone) when no
+    parallel size is 1, and the expert data-parallel group (and maybe others) when context
+    parallelism exceeds 1 and the order puts a dimension of size > 1 between cp and dp.
+    """
+    layout.coordinates(rank)  # validates rank
+    generator = layout.expert_rank_generator()
+    found = {}
+    for token, kinds in EXPERT_STAND_INS.items():
+        ranks = _group_holding(rank, generator.get_ranks(token))
+        stand_in = next(
+            (kind for kind in kinds if _group_holding(rank, layout.rank_groups(kind)) == ranks),
+            None,
+        )
+        found[token] = ExpertGroup(ranks, stand_in)
+    return found
 
 
 # ------------------------------------------------------------------ creation
@@ -456,6 +630,11 @@ class ProcessGroups:
         """The global rank of the previous stage; the first stage wraps to the last."""
         stage = self.pp_ranks.index(self.rank)
         return self.pp_ranks[(stage - 1) % len(self.pp_ranks)]
+
+    @cached_property
+    def expert(self) -> dict[str, ExpertGroup]:
+        """This rank's expert groups by upstream token; see :func:`expert_group_stand_ins`."""
+        return expert_group_stand_ins(self.layout, self.rank)
 
     def held_groups(self) -> list[Any]:
         """Every distinct group object this rank holds (for teardown)."""
