@@ -18,6 +18,12 @@ class Split(enum.Enum):
     test = 2
 
 
+def compile_helpers() -> None:
+    """Does nothing: upstream compiles its C++ dataset-index helpers here, while this tree
+    builds its indices in numpy. Kept so that code calling it before building datasets
+    (once, on one rank) runs unchanged."""
+
+
 def normalize(weights: Sequence[float]) -> list[float]:
     """``weights`` scaled to sum to one (no exponentiation)."""
     array = numpy.asarray(weights, dtype=numpy.float64)

@@ -7,7 +7,8 @@
 * ``use_distributed_optimizer`` -> :class:`DistributedOptimizer` (any dtype)
 
 fp16 gets dynamic loss scaling unless ``loss_scale`` fixes it; bf16 and fp32 are unscaled
-unless ``loss_scale`` is given.
+unless ``loss_scale`` is given. Without expert parameters there is always one optimizer, so
+:class:`ChainedOptimizer` (upstream's container for several) is only built by callers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.fused_kernels import init_adam_state, make_adam, make_sgd
 from megatron.core.optimizer.grad_scaler import (
@@ -33,6 +35,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.param_groups import ParamCondition, get_param_groups
 
 __all__ = [
+    "ChainedOptimizer",
     "ConstantGradScaler",
     "DistributedOptimizer",
     "DynamicGradScaler",

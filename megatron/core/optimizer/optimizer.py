@@ -142,6 +142,14 @@ class MegatronOptimizer(ABC):
     def prepare_grads(self) -> bool:
         """Put the gradients where the torch optimizer reads them; True if inf/nan found."""
 
+    def _prepare_grads_without_scaler_update(self) -> bool:
+        """``prepare_grads`` minus the loss-scaler update, which a chain of optimizers makes
+        once it knows whether any of its members found inf/nan."""
+        return self.prepare_grads()
+
+    def _update_loss_scale(self, found_inf: bool) -> None:
+        """Let the loss scaler (if any) react to this step's overflow decision."""
+
     @abstractmethod
     def step_with_ready_grads(self) -> bool:
         """Run the torch optimizer and publish the new parameters; True on success."""
@@ -162,25 +170,34 @@ class MegatronOptimizer(ABC):
             with timed_phase(self.config, "optimizer-count-zeros"):
                 num_zeros = self.count_zeros()
         with timed_phase(self.config, "optimizer-inner-step"):
-            try:
-                success = self.step_with_ready_grads()
-            finally:
-                if getattr(self.optimizer, "grad_scale", None) is not None:
-                    self.optimizer.grad_scale = None
+            success = self._step_inner()
         return success, grad_norm, num_zeros
 
+    def _step_inner(self) -> bool:
+        """``step_with_ready_grads``, then forget a clip factor handed to fused Adam."""
+        try:
+            return self.step_with_ready_grads()
+        finally:
+            if getattr(self.optimizer, "grad_scale", None) is not None:
+                self.optimizer.grad_scale = None
+
     def _clip_in_step(self, clip_grad: float) -> float:
-        """Clip as ``clip_grad_norm`` does; where torch's fused Adam runs next, by having its
-        kernel divide the gradients (its ``grad_scale``) instead of a pass over them first."""
-        if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            return self.clip_grad_norm(clip_grad)
         grad_norm = self.get_grad_norm()
-        coefficient = clip_grad / (grad_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
+        self._clip_to_total_norm(clip_grad, grad_norm)
+        return grad_norm
+
+    def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
+        """Clip as ``clip_grad_norm`` does, for a norm already known; where torch's fused Adam
+        runs next, by having its kernel divide the gradients (its ``grad_scale``) instead of
+        a pass over them first."""
+        if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, total_norm)
+            return
+        coefficient = clip_grad / (total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
         parameters = self.get_parameters()  # none on a rank whose shard holds no parameter
         if coefficient < 1.0 and parameters:
             self.optimizer.grad_scale = torch.full((), 1.0 / coefficient,
                                                    device=parameters[0].device)
-        return grad_norm
 
     def _empty_statistic(self) -> float | None:
         """What step() reports for a statistic it did not compute (None, as upstream)."""
@@ -337,12 +354,18 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        self._copy_model_grads_to_main_grads()
-        if self.grad_scaler is None:
-            return False
-        found_inf = self._unscale_main_grads_and_check_for_nan()
-        self.grad_scaler.update(found_inf)
+        found_inf = self._prepare_grads_without_scaler_update()
+        self._update_loss_scale(found_inf)
         return found_inf
+
+    @torch.no_grad()
+    def _prepare_grads_without_scaler_update(self) -> bool:
+        self._copy_model_grads_to_main_grads()
+        return self.grad_scaler is not None and self._unscale_main_grads_and_check_for_nan()
+
+    def _update_loss_scale(self, found_inf: bool) -> None:
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

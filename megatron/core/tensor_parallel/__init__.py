@@ -6,6 +6,7 @@ one it uses parallel_state's tensor-parallel group, or none at all in a single p
 """
 
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.embedding import VocabParallelEmbedding
 from megatron.core.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.linear_function import (
@@ -38,6 +39,7 @@ from megatron.core.tensor_parallel.utils import (
 
 __all__ = [
     "vocab_parallel_cross_entropy",
+    "broadcast_data",
     "VocabParallelEmbedding", "ColumnParallelLinear", "RowParallelLinear",
     "linear_with_grad_accumulation_and_async_allreduce",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",

@@ -18,6 +18,7 @@ outside autograd (see ``weight_grad``).
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any, List, Optional
 
@@ -153,4 +154,36 @@ def linear_with_grad_accumulation_and_async_allreduce(
         input, weight if deferral is None else weight.detach(), bias,
         sequence_parallel and not alone, allreduce_dgrad and not alone, group, fuse_wgrad,
         deferral,
+    )
+
+
+def linear_with_frozen_weight(
+    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool, allreduce_dgrad: bool, sequence_parallel: bool,
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: None = None, async_grad_allreduce: Optional[bool] = None,
+    *, tp_group: Any = None,
+) -> torch.Tensor:
+    """Forward and input gradient of ``linear_with_grad_accumulation_and_async_allreduce``
+    (same communication), but never a weight gradient.
+
+    The weight is treated as frozen even if it requires grad, and the layer input is not
+    kept for backward. ``gradient_accumulation_fusion`` is accepted and ignored (there is no
+    weight gradient to fuse); ``grad_output_buffer`` and ``wgrad_deferral_limit`` must stay
+    None; ``async_grad_allreduce`` is upstream's deprecated spelling and is ignored with a
+    warning. Unlike upstream, a bias that requires grad still gets its gradient.
+    """
+    if async_grad_allreduce is not None:
+        warnings.warn("async_grad_allreduce is deprecated and ignored; use allreduce_dgrad",
+                      DeprecationWarning, stacklevel=2)
+    if grad_output_buffer is not None or wgrad_deferral_limit is not None:
+        raise ValueError(
+            "grad_output_buffer and wgrad_deferral_limit defer weight gradients, which a frozen "
+            "weight does not have; use linear_with_grad_accumulation_and_async_allreduce")
+    # A detached weight makes the autograd function skip the weight gradient and the
+    # saved input, while keeping the sequence-parallel gather and the input-gradient
+    # reduction.
+    return linear_with_grad_accumulation_and_async_allreduce(
+        input, weight.detach(), bias, False, allreduce_dgrad, sequence_parallel,
+        tp_group=tp_group,
     )

@@ -5,15 +5,16 @@ group's query heads, then its key head, then its value head (megatron-core's lay
 checkpoints match). A column-parallel split therefore hands every tensor-parallel rank whole
 groups, and a rank's shard equals the same columns of the unsplit layer.
 
-With ``qk_layernorm`` (the layer spec's) queries and keys are normalised per head
-(``q_layernorm`` / ``k_layernorm``, upstream's parameter names). With ``config.test_mode``
+With ``q_layernorm`` / ``k_layernorm`` constructors in the submodules (the layer spec's
+``qk_layernorm``) queries and keys are normalised per head. With ``config.test_mode``
 every forward then checks that those replicated norms are identical on all tensor- and
 data-parallel ranks (upstream's ``run_realtime_tests``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,8 +26,19 @@ from megatron.core.transformer.consistency_checks import check_identical_across_
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
-from megatron.core.transformer.spec import TransformerLayerSpec
 from megatron.core.transformer.unsupported_args import reject_given
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """Constructors of the attention's parts; a None norm means no query / key norm. The
+    norms are built as ``norm(config=, hidden_size=, eps=)``, over one head's channels."""
+
+    linear_qkv: Optional[Callable] = None
+    core_attention: Optional[Callable] = None
+    linear_proj: Optional[Callable] = None
+    q_layernorm: Optional[Callable] = None
+    k_layernorm: Optional[Callable] = None
 
 
 class SelfAttention(MegatronModule):
@@ -41,14 +53,13 @@ class SelfAttention(MegatronModule):
     def __init__(
         self,
         config,
-        spec: TransformerLayerSpec,
+        submodules: SelfAttentionSubmodules,
         layer_number: int,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         *,
         tp_group: Any = None,
     ) -> None:
         super().__init__(config=config)
-        modules = spec.modules()
         self.tp_group = checked_tp_group(config, tp_group)
         tp = config.tensor_model_parallel_size
         self.layer_number = layer_number
@@ -62,7 +73,7 @@ class SelfAttention(MegatronModule):
 
         # Upstream builds (and so initialises) the output projection before the QKV one;
         # registering it after keeps this tree's parameter order.
-        linear_proj = modules.linear_proj(
+        linear_proj = submodules.linear_proj(
             self.query_projection_size,
             config.hidden_size,
             config=config,
@@ -74,7 +85,7 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,
         )
-        self.linear_qkv = modules.linear_qkv(
+        self.linear_qkv = submodules.linear_qkv(
             config.hidden_size,
             self.query_projection_size + 2 * self.kv_projection_size,
             config=config,
@@ -86,18 +97,9 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="qkv",
             tp_group=self.tp_group,
         )
-        self.q_layernorm = self.k_layernorm = None
-        if spec.qk_layernorm:
-            self.q_layernorm = modules.norm(config, config.kv_channels)
-            self.k_layernorm = modules.norm(config, config.kv_channels)
-            if tp > 1:
-                # Each rank normalises only its own heads, so these replicated weights get
-                # partial gradients that must be summed over the group, as for sequence
-                # parallelism.
-                for norm in (self.q_layernorm, self.k_layernorm):
-                    for param in norm.parameters():
-                        param.sequence_parallel = True
-        self.core_attention = modules.core_attention(
+        self.q_layernorm = self._head_norm(submodules.q_layernorm)
+        self.k_layernorm = self._head_norm(submodules.k_layernorm)
+        self.core_attention = submodules.core_attention(
             config=config,
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
@@ -106,6 +108,19 @@ class SelfAttention(MegatronModule):
             tp_group=self.tp_group,
         )
         self.linear_proj = linear_proj
+
+    def _head_norm(self, build: Optional[Callable]) -> Optional[torch.nn.Module]:
+        if build is None:
+            return None
+        config = self.config
+        norm = build(config=config, hidden_size=config.kv_channels, eps=config.layernorm_epsilon)
+        if config.tensor_model_parallel_size > 1:
+            # Each rank normalises only its own heads, so these replicated weights get
+            # partial gradients that must be summed over the group, as for sequence
+            # parallelism.
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
 
     def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states=None):
         """Project ``[s, b, h]`` to query ``[s, b, np, hn]`` and key/value ``[s, b, ng, hn]``."""
@@ -119,9 +134,10 @@ class SelfAttention(MegatronModule):
             mixed, [heads_per_group * head_dim, head_dim, head_dim], dim=-1
         )
         query = query.reshape(*query.shape[:2], -1, head_dim)
-        if self.q_layernorm is not None:
-            query = self.q_layernorm(query)
-            key = self.k_layernorm(key)
+        query, key = (
+            tensor if norm is None else norm(tensor)
+            for norm, tensor in ((self.q_layernorm, query), (self.k_layernorm, key))
+        )
         if self.config.test_mode:
             self.run_realtime_tests()
         return query, key, value
@@ -130,13 +146,13 @@ class SelfAttention(MegatronModule):
         """Raise RuntimeError naming the ranks unless the q/k norms' parameters are identical
         on every data-parallel and every tensor-parallel rank (nothing to check without
         qk_layernorm)."""
-        if self.q_layernorm is None:
-            return
         norms = {
             f"layer {self.layer_number} self_attention.{norm}.{name}": param
-            for norm in ("q_layernorm", "k_layernorm")
+            for norm in ("q_layernorm", "k_layernorm") if getattr(self, norm) is not None
             for name, param in getattr(self, norm).named_parameters()
         }
+        if not norms:
+            return
         if parallel_state.model_parallel_is_initialized():
             check_identical_across_ranks(
                 norms, parallel_state.get_data_parallel_group(), "data-parallel"

@@ -8,7 +8,8 @@ the unsplit layer's weight is exactly ``[gate; up]``.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -16,7 +17,14 @@ from megatron.core.fusions.fused_bias_activation import bias_activation, fused_b
 from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
-from megatron.core.transformer.spec import TransformerLayerSpec
+
+
+@dataclass
+class MLPSubmodules:
+    """The MLP's projections: column-parallel fc1 and row-parallel fc2 constructors."""
+
+    linear_fc1: Optional[Callable] = None
+    linear_fc2: Optional[Callable] = None
 
 
 class MLP(MegatronModule):
@@ -26,7 +34,7 @@ class MLP(MegatronModule):
     def __init__(
         self,
         config,
-        spec: TransformerLayerSpec,
+        submodules: MLPSubmodules,
         is_expert: bool = False,
         input_size: int | None = None,
         *,
@@ -35,12 +43,11 @@ class MLP(MegatronModule):
         super().__init__(config=config)
         if is_expert:
             raise ValueError("is_expert=True is not supported: mixture of experts is not implemented")
-        modules = spec.modules()
         self.tp_group = checked_tp_group(config, tp_group)
         self.input_size = config.hidden_size if input_size is None else input_size
         self.activation_func = config.activation_func
         gated = config.gated_linear_unit
-        self.linear_fc1 = modules.linear_fc1(
+        self.linear_fc1 = submodules.linear_fc1(
             self.input_size,
             config.ffn_hidden_size * (2 if gated else 1),
             config=config,
@@ -54,7 +61,7 @@ class MLP(MegatronModule):
             tp_comm_buffer_name="fc1",
             tp_group=self.tp_group,
         )
-        self.linear_fc2 = modules.linear_fc2(
+        self.linear_fc2 = submodules.linear_fc2(
             config.ffn_hidden_size,
             config.hidden_size,
             config=config,

@@ -4,17 +4,25 @@ Upstream describes layers with nested ``ModuleSpec`` trees; this tree only has t
 implementations, so a spec is a small value naming the backend and the options, and
 ``modules()`` returns the constructors the layer uses. Every constructor takes upstream's
 arguments for that slot (e.g. ``linear_qkv(input_size, output_size, config=, init_method=,
-bias=, gather_output=, skip_bias_add=, ...)``) plus ``tp_group=``.
+bias=, gather_output=, skip_bias_add=, ...)``) plus ``tp_group=``. Like upstream's layer
+spec it also has ``module``, ``params`` and ``submodules`` (the tree TransformerLayer is
+built from), so ``MLP(config, spec.submodules.mlp.submodules)`` works as upstream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron.core.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.layer_modules import LayerModules
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    layer_submodules,
+)
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
@@ -55,3 +63,16 @@ class TransformerLayerSpec:
         from megatron.core.transformer.te_backend import te_layer_modules
 
         return te_layer_modules()
+
+    @property
+    def module(self) -> type:
+        return TransformerLayer
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def submodules(self) -> TransformerLayerSubmodules:
+        """A new TransformerLayerSubmodules for this backend and these options."""
+        return layer_submodules(self.modules(), self.qk_layernorm)

@@ -76,8 +76,11 @@ class TransformerBlock(MegatronModule):
         stage = current_pipeline_stage(config) if pipeline_stage is None else pipeline_stage
         self.global_layer_indices = layer_range(config, stage)
 
+        submodules = spec.submodules
+
         def layer(index: int) -> TransformerLayer:
-            return TransformerLayer(config, spec, layer_number=index + 1, tp_group=self.tp_group)
+            return TransformerLayer(config, submodules, layer_number=index + 1,
+                                    tp_group=self.tp_group)
 
         with model_init_stream(config):
             for index in range(self.global_layer_indices.start):

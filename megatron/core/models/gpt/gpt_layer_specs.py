@@ -1,9 +1,10 @@
 """Layer specs for GPTModel, under megatron-core 0.11's function names and arguments.
 
-The functions return a :class:`~megatron.core.transformer.spec.TransformerLayerSpec` (not
-upstream's ModuleSpec tree); pass it to ``GPTModel(transformer_layer_spec=...)`` as usual.
-``fp8`` is accepted and ignored, as upstream deprecated it (upstream's own pretrain_gpt.py
-passes ``moe_use_legacy_grouped_gemm`` into that position).
+The layer-spec functions return a :class:`~megatron.core.transformer.spec.TransformerLayerSpec`
+(not upstream's ModuleSpec tree, though it has the same ``submodules``); pass it to
+``GPTModel(transformer_layer_spec=...)`` as usual. ``get_mlp_module_spec`` returns the MLP's
+ModuleSpec as upstream. ``fp8`` is accepted and ignored, as upstream deprecated it
+(upstream's own pretrain_gpt.py passes ``moe_use_legacy_grouped_gemm`` into that position).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core.transformer.spec import TransformerLayerSpec
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 def _reject_unsupported(num_experts, moe_grouped_gemm, multi_latent_attention,
@@ -62,3 +64,19 @@ def get_gpt_layer_with_transformer_engine_spec(
     require_transformer_engine()
     return TransformerLayerSpec(transformer_impl="transformer_engine",
                                 qk_layernorm=bool(qk_layernorm))
+
+
+def get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+) -> ModuleSpec:
+    """The dense MLP's spec (``MLP`` with an MLPSubmodules), from Transformer Engine modules
+    with ``use_te`` (fc1 then applies the pre-MLP norm itself; RuntimeError without TE), else
+    from this tree's. The same MLP as in the matching layer spec."""
+    _reject_unsupported(num_experts, moe_grouped_gemm, False, moe_use_legacy_grouped_gemm)
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec().submodules.mlp
+    return get_gpt_layer_local_spec().submodules.mlp
