@@ -165,10 +165,12 @@ def _rank_context():
     return ctx
 
 
-# Only torch: the server imports it once (importing runs nothing) so ranks start without paying
-# for it. Not megatron, whose import-time state (the run clock --exit-duration-in-mins counts
-# from) must be the rank's own, as under torchrun.
-_PRELOAD = ["torch", "torch.distributed"]
+# Third-party modules every rank imports: the server imports them once (importing runs nothing)
+# so ranks start without paying for it -- torch._dynamo alone, which torch.optim imports when
+# the first optimizer is built, costs seconds. Not megatron, whose import-time state (the run
+# clock --exit-duration-in-mins counts from) must be the rank's own, as under torchrun.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
+            "torch.utils.tensorboard", "sentencepiece", "numpy"]
 
 
 def _run_once(fn, world_size, args, timeout_s, env, init_process_group,
