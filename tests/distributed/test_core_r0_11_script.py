@@ -1,7 +1,8 @@
 """A script written for megatron.core 0.11's pipeline API runs unchanged and is exact.
 
-Launched with torchrun as users do: pp 2 and 4, interleaved, variable sequence lengths,
-batched p2p (upstream's default) -- the combinations upstream hangs, crashes or corrupts on.
+Run as torchrun's workers run it (``run_script``): pp 2 and 4, interleaved, variable sequence
+lengths, batched p2p (upstream's default) -- the combinations upstream hangs, crashes or
+corrupts on.
 """
 
 import json
@@ -10,7 +11,7 @@ import re
 
 import pytest
 
-from tests.launcher import run_torchrun
+from tests.launcher import run_script
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "core_r0_11_pipeline.py")
 
@@ -22,9 +23,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "core_r0_11_pipeline
     (4, ["--variable-seq-lengths", "--no-batch-p2p-comm"]),
 ])
 def test_core_r0_11_style_script_matches_reference(pp, extra):
-    result = run_torchrun(SCRIPT, pp, args=extra, timeout_s=120)
+    result = run_script(SCRIPT, pp, args=extra, timeout_s=120)
     assert result.returncode == 0, result.stdout
-    # Ranks share one stdout, so lines may run together: match the reports themselves.
     reports = [json.loads(m) for m in re.findall(r"RESULT (\{[^}]*\})", result.stdout)]
     assert sorted(r["rank"] for r in reports) == list(range(pp)), result.stdout
     assert max(r["worst"] for r in reports) <= 1e-6, reports
