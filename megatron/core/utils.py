@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from importlib import metadata
 from typing import Any
+
+import torch
+from torch.torch_version import TorchVersion
 
 
 def _has_usable_attr(obj: Any, attr: str, allow_none: bool) -> bool:
@@ -66,3 +71,32 @@ def timer_span(config, name: str, log_level: int = 2):
         yield
     finally:
         timers(name).stop()
+
+
+@functools.lru_cache(maxsize=None)
+def get_te_version() -> TorchVersion:
+    """The installed Transformer Engine's version; ImportError without it, as upstream."""
+    import transformer_engine
+
+    found = getattr(transformer_engine, "__version__", None)
+    return TorchVersion(found if found is not None else metadata.version("transformer-engine"))
+
+
+def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether Transformer Engine is at least ``version`` (above it without
+    ``check_equality``). False without Transformer Engine, where upstream raises: code that
+    asks only wants to know whether a newer TE feature is there."""
+    try:
+        installed = get_te_version()
+    except ImportError:
+        return False
+    return installed >= version if check_equality else installed > version
+
+
+def get_torch_version() -> TorchVersion:
+    return torch.torch_version.__version__
+
+
+def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
+    installed = get_torch_version()
+    return installed >= version if check_equality else installed > version

@@ -195,3 +195,17 @@ def test_transformer_layer_uses_the_given_bias_dropout_add():
     submodules.mlp = None
     with pytest.raises(ValueError, match="mlp"):
         TransformerLayer(config, submodules)
+
+
+def test_version_helpers_answer_without_transformer_engine(monkeypatch):
+    from megatron.core import utils
+
+    assert utils.is_torch_min_version("2.0") and not utils.is_torch_min_version("99.0")
+    assert utils.is_torch_min_version(str(utils.get_torch_version()))
+    assert not utils.is_torch_min_version(str(utils.get_torch_version()), check_equality=False)
+    utils.get_te_version.cache_clear()
+    monkeypatch.setitem(__import__("sys").modules, "transformer_engine", None)  # not installed
+    with pytest.raises(ImportError):
+        utils.get_te_version()
+    assert utils.is_te_min_version("1.3") is False
+    utils.get_te_version.cache_clear()
