@@ -364,6 +364,73 @@ def run_script(script: str, nproc: int, *, args: Sequence[str] = (), timeout_s: 
     return subprocess.CompletedProcess([script, *args], returncode, output, None)
 
 
+def _interpreter_path(entry: str) -> bool:
+    """A sys.path entry every new interpreter of this Python has (stdlib, site-packages)."""
+    return bool(entry) and entry.startswith((sys.prefix, sys.base_prefix))
+
+
+def _python_main(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
+    """In a process forked from the rank server: become ``python ARGV`` started with ``env``
+    in ``cwd`` -- the environment, working directory, argv and sys.path a new interpreter
+    would have -- and run the script as ``__main__``. Exceptions and exit codes are reported
+    as the interpreter reports them (multiprocessing turns SystemExit into the exit code)."""
+    import atexit
+    import runpy
+
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    # What this module's import brought in (the tests package) is no part of a new interpreter.
+    for name in [name for name in sys.modules if name == "tests" or name.startswith("tests.")]:
+        del sys.modules[name]
+    python_path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    script = argv[0]
+    first = "" if script == "-m" else os.path.dirname(os.path.abspath(script))
+    sys.path[:] = [first, *python_path, *filter(_interpreter_path, sys.path)]
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    import torch
+
+    if "OMP_NUM_THREADS" in env:  # torch was imported by the server, before this was set
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        if script == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+
+
+class ForkedPython:
+    """``python ARGV`` with ``env`` in ``cwd``, output to ``log_path``, but forked from the rank
+    server that imported torch once (see ``_rank_context``) instead of a new interpreter: the
+    same program seconds sooner. The Popen methods the launchers use: pid, poll, kill, wait."""
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str], cwd: str | None = None,
+                 log_path: str) -> None:
+        self._process = _rank_context().Process(
+            target=_python_main, args=(list(argv), dict(env), cwd or os.getcwd(), log_path))
+        self._process.start()
+        self.pid = self._process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        return self._process.exitcode
+
+
 @dataclass
 class ProcessOutcome:
     returncode: int | None  # None: killed at the deadline
@@ -381,12 +448,10 @@ def run_processes(argv_per_rank: Sequence[Sequence[str]], *, world_size: int | N
     Each process gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the port of
     a store this function holds, which no ``env_per_rank`` overrides). ``host_store=False``
     leaves hosting the store to rank 0, as a launch without torchrun does (then only a port
-    free a moment ago can be given). Processes still running at the deadline are killed
-    (only these, by pid).
+    free a moment ago can be given). Each process is ``python ARGV`` as a ``ForkedPython``
+    (a new interpreter's state, torch already imported). Processes still running at the
+    deadline are killed (only these, by pid).
     """
-    import subprocess
-    import sys
-
     ranks = list(ranks if ranks is not None else range(len(argv_per_rank)))
     world_size = world_size if world_size is not None else len(argv_per_rank)
     store = launch_tool().host_rendezvous_store(timeout_s) if host_store else None
@@ -401,10 +466,9 @@ def run_processes(argv_per_rank: Sequence[Sequence[str]], *, world_size: int | N
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                **((env_per_rank or [{}] * len(ranks))[index]), **rendezvous}
         # Files, not pipes: a chatty process must never block on a pipe nobody reads yet.
-        log = open(os.path.join(logs, f"rank{rank}.log"), "w+")
-        files.append(log)
-        procs.append(subprocess.Popen([sys.executable, *argv], stdout=log,
-                                      stderr=subprocess.STDOUT, text=True, env=env))
+        log_path = os.path.join(logs, f"rank{rank}.log")
+        procs.append(ForkedPython(argv, env=env, log_path=log_path))
+        files.append(log_path)
     deadline = start + timeout_s
     finished: dict[int, float] = {}
     while len(finished) < len(procs) and time.monotonic() < deadline:
@@ -413,12 +477,11 @@ def run_processes(argv_per_rank: Sequence[Sequence[str]], *, world_size: int | N
                 finished[index] = time.monotonic() - start
         time.sleep(0.05)
     outcomes = []
-    for index, (proc, log) in enumerate(zip(procs, files)):
+    for index, (proc, log_path) in enumerate(zip(procs, files)):
         if index not in finished:
             proc.kill()
             proc.wait()
-        log.seek(0)
-        outcomes.append(ProcessOutcome(proc.returncode if index in finished else None,
-                                       log.read(), finished.get(index, timeout_s)))
-        log.close()
+        with open(log_path) as log:
+            outcomes.append(ProcessOutcome(proc.poll() if index in finished else None,
+                                           log.read(), finished.get(index, timeout_s)))
     return outcomes

@@ -1,9 +1,10 @@
 """Install upstream megatron-core wheels, patch them, and run ``upstream_rank.py`` on gloo ranks
 (or on NCCL ranks sharing one GPU, ``backend="nccl"``).
 
-Every rank is a separate interpreter whose ``PYTHONPATH`` holds only the installed wheel (and
-triton where the wheel needs it), so upstream's ``megatron`` and this project's never share a
-process. Every launch has a hard deadline: ranks still running then are killed by the pids
+Every rank is a process of its own, started as a new interpreter whose ``PYTHONPATH`` holds
+only the installed wheel (and triton where the wheel needs it) would be (``ForkedPython``: torch
+is already imported, nothing of this project is), so upstream's ``megatron`` and this project's
+never share a process. Every launch has a hard deadline: ranks still running then are killed by the pids
 this module started, and the launch is reported as timed out rather than left hanging.
 """
 
@@ -143,20 +144,19 @@ def run_with_deadline(command: list[str], rank_envs: list[dict], log_paths: list
     """One process per environment, output to its log; exit codes, None for a process killed
     (by the pid started here) at ``give_up_at`` (time.monotonic()). The processes meet at a
     store held here (``TORCHELASTIC_USE_AGENT_STORE``), on a port nothing else can take."""
-    from tests.launcher import launch_tool
+    from tests.launcher import ForkedPython, launch_tool
 
+    if command[0] != sys.executable:
+        raise ValueError(f"run_with_deadline runs Python scripts of this interpreter, got "
+                         f"{command[0]!r}")
     store = launch_tool().host_rendezvous_store(max(1.0, give_up_at - time.monotonic()))
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                   **launch_tool().AGENT_STORE_ENV}
-    processes: list[subprocess.Popen] = []
+    processes: list[ForkedPython] = []
     try:
         for env, log_path in zip(rank_envs, log_paths):
-            env = {**env, **rendezvous}
-            with open(log_path, "w") as log:
-                processes.append(subprocess.Popen(
-                    command, env=env, cwd=RANK_SCRIPT.parent,
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                ))
+            processes.append(ForkedPython(command[1:], env={**env, **rendezvous},
+                                          cwd=str(RANK_SCRIPT.parent), log_path=str(log_path)))
         while time.monotonic() < give_up_at and any(p.poll() is None for p in processes):
             time.sleep(0.1)
         return [p.poll() for p in processes]
