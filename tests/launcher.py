@@ -369,6 +369,13 @@ def _interpreter_path(entry: str) -> bool:
     return bool(entry) and entry.startswith((sys.prefix, sys.base_prefix))
 
 
+def _outside_interpreter(module) -> bool:
+    """A module loaded from somewhere other than this Python's stdlib and site-packages."""
+    file = getattr(module, "__file__", None)
+    locations = [file] if file else list(getattr(module, "__path__", None) or [])
+    return any(location and not _interpreter_path(location) for location in locations)
+
+
 def _python_main(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
     """In a process forked from the rank server: become ``python ARGV`` started with ``env``
     in ``cwd`` -- the environment, working directory, argv and sys.path a new interpreter
@@ -382,15 +389,17 @@ def _python_main(argv: list[str], env: dict[str, str], cwd: str, log_path: str) 
         os.dup2(log.fileno(), 2)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    script = argv[0]
+    first = "" if script == "-m" else os.path.dirname(os.path.abspath(script))
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    # What this module's import brought in (the tests package) is no part of a new interpreter.
-    for name in [name for name in sys.modules if name == "tests" or name.startswith("tests.")]:
+    # Modules a new interpreter would not have: this one's package, and whatever the starting
+    # process's __main__ imported (multiprocessing re-imports it here), such as this tree's
+    # megatron, which must not stand in for another on the new PYTHONPATH.
+    for name in [name for name, module in sys.modules.items() if _outside_interpreter(module)]:
         del sys.modules[name]
     python_path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    script = argv[0]
-    first = "" if script == "-m" else os.path.dirname(os.path.abspath(script))
     sys.path[:] = [first, *python_path, *filter(_interpreter_path, sys.path)]
     sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
     import torch
