@@ -18,4 +18,8 @@ RNG and rerun states; ``rng_state``: upstream's per-rank RNG layout, saved and r
 ``dist_optimizer_common``: the optimizer's part of ``common.pt``); ``dcp_chunks`` stores pieces
 of layer-stacked tensors;
 ``tp_layout``, ``model_shape`` and ``hf_export`` serve the converter.
+
+``errors``, ``safe_load``, ``ranks``, ``dcp_chunks`` and ``dcp_save`` live in
+``megatron.core.dist_checkpointing`` (megatron-core's sharded-checkpoint API, issue 26, saves and
+loads through them); the modules of those names here import them from there.
 """

@@ -1,5 +1,8 @@
-"""The error of a checkpoint that cannot be written or loaded; its one line names the file."""
+"""The error of a checkpoint that cannot be written or loaded; its one line names the file.
 
+Defined in ``megatron.core.dist_checkpointing.errors`` (megatron-core's checkpoint loading
+raises it too); this path keeps working."""
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded here, or written; the message says why and what to do."""
+from megatron.core.dist_checkpointing.errors import CheckpointError
+
+__all__ = ["CheckpointError"]

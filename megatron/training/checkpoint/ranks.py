@@ -1,16 +1,5 @@
-"""What every rank holds of one small picklable value (checkpoint bookkeeping, not tensors)."""
+"""Moved to ``megatron.core.dist_checkpointing.ranks``; this path keeps working."""
 
-from __future__ import annotations
+from megatron.core.dist_checkpointing.ranks import from_every_rank
 
-from typing import Any
-
-import torch.distributed as dist
-
-
-def from_every_rank(value: Any) -> list[Any]:
-    """Each rank's ``value``, by rank (collective); ``[value]`` without torch.distributed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+__all__ = ["from_every_rank"]

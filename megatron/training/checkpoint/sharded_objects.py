@@ -8,16 +8,16 @@ bytes item holding ``torch.save([value])``, written by the first data-parallel r
 its loader asks for the keys of its own layout and fails on a missing one. Here the value goes
 into the save's state as the one-element list (the DCP planner pickles it with ``torch.save``,
 as upstream's does), and reading takes the raw bytes (``dcp_chunks.load``) and decodes them in
-``decode``, the one place that unpickles them.
+``decode`` (``safe_load.load_object_shard``, which ``megatron.core.dist_checkpointing`` reads
+sharded objects with too).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
-
-from megatron.training.checkpoint import safe_load
-from megatron.training.checkpoint.source import CheckpointFormatError
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.safe_load import load_object_shard
 
 RNG_STATE = "rng_state"
 RERUN_STATE = "rerun_state_machine_state"
@@ -26,7 +26,7 @@ RERUN_STATE = "rerun_state_machine_state"
 def object_key(name: str, offset: Iterable[int], shape: Iterable[int]) -> str:
     """The DCP key megatron-core gives the shard at ``offset`` of the sharded object ``name``
     of grid ``shape``."""
-    return f"{name}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+    return ShardedObject(name, None, tuple(shape), tuple(offset)).unique_key
 
 
 def saved_grid(args: dict[str, Any]) -> tuple[int, int]:
@@ -41,10 +41,5 @@ def add_object(state: dict[str, Any], name: str, value: Any, offset: Iterable[in
     state[object_key(name, offset, shape)] = [value]
 
 
-def decode(raw: bytes, where: str) -> Any:
-    """The value of one stored shard (``where`` names it in the error)."""
-    wrapped = safe_load.load_bytes(raw, where)  # one line naming ``where`` if unreadable/unsafe
-    if not isinstance(wrapped, list) or len(wrapped) != 1:
-        raise CheckpointFormatError(f"{where}: a sharded object should be stored as a "
-                                    f"one-element list, found {type(wrapped).__name__}")
-    return wrapped[0]
+# The value of one stored shard, read safely (``where`` names it in errors).
+decode = load_object_shard

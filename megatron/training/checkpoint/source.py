@@ -15,14 +15,11 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron.training.checkpoint.errors import CheckpointError
+# Defined beside megatron-core's checkpoint loading, which raises it too; imported from here.
+from megatron.core.dist_checkpointing.errors import CheckpointFormatError  # noqa: F401
 
 
 OPTIMIZER_PREFIX = "optimizer.state."
-
-
-class CheckpointFormatError(CheckpointError):
-    """A checkpoint that cannot be read: the message names the file and what is wrong."""
 
 
 def optimizer_key(kind: str, name: str) -> str:

@@ -31,12 +31,14 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.training.checkpoint import dcp_chunks, dcp_save, safe_load
 from megatron.training.checkpoint.dist_optimizer_common import (
     READABLE_SHARDING, STEP, saved_grad_scaler, saved_param_groups, saved_sharding_types,
@@ -52,10 +54,10 @@ from megatron.training.checkpoint.upstream_names import (
     EXTRA_STATE, LAYER_LINEARS, LAYER_PREFIX, TE_ATTENTION, layer_name, split_layer, to_local, to_te,
 )
 
-CONFIG_FILE = "metadata.json"
-COMMON_FILE = "common.pt"
-SHARDED_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}
+# The format's file names and backends, as megatron.core.dist_checkpointing writes them.
+CONFIG_FILE = CONFIG_FNAME
+COMMON_FILE = COMMON_STATE_FNAME
+SHARDED_BACKEND = asdict(CheckpointingConfig("torch_dist"))
 # Megatron-LM's checkpoint_version since 2020 (QKV rows grouped per query group).
 CHECKPOINT_VERSION = 3.0
 _UPSTREAM_OPTIMIZER_KEY = re.compile(r"^(?:chained_\d+\.)?(optimizer\.state\.\w+)\.(.+)$")
@@ -331,5 +333,4 @@ def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]
 def write_common(directory: str, common: dict[str, Any]) -> None:
     """``common.pt`` and ``metadata.json``: what one process writes beside the tensors."""
     torch.save(common, os.path.join(directory, COMMON_FILE))
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(SHARDED_BACKEND, f)
+    save_config(CheckpointingConfig("torch_dist"), directory)
