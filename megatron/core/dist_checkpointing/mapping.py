@@ -358,3 +358,7 @@ def apply_factory_merges(x1: StateDict, x2: ShardedStateDict,
             x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
         return x1
     raise ValueError(f"factory merge: no factory and no container at {key}: {x1!r} and {x2!r}")
+
+
+# ``{key: leaf without data}`` of what a checkpoint stores (objects by unique key).
+CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]

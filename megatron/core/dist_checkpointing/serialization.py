@@ -8,7 +8,7 @@ torch.distributed.checkpoint) and, written last, ``metadata.json`` naming both b
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Optional, Set, Tuple, Union
+from typing import Callable, Optional, Set, Tuple, Union
 
 import torch.distributed as dist
 
@@ -18,7 +18,8 @@ from megatron.core.dist_checkpointing.core import (
     save_config,
 )
 from megatron.core.dist_checkpointing.dict_utils import merge
-from megatron.core.dist_checkpointing.mapping import (
+from megatron.core.dist_checkpointing.mapping import (  # noqa: F401 (names upstream's module has)
+    CkptShardedMetadata,
     CommonStateDict,
     ShardedObject,
     ShardedStateDict,
@@ -38,8 +39,6 @@ from megatron.core.dist_checkpointing.validation import (
     verify_checkpoint_and_load_strategy,
 )
 
-# ``{key: leaf without data}`` of what a checkpoint stores (objects by unique key).
-CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 
 
 def _rank() -> int:

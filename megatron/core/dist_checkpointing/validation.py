@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import (
+    CkptShardedMetadata, ShardedBase, ShardedStateDict,
+)
 from megatron.core.dist_checkpointing.sharding_integrity import (
     _GlobalMetadata, _LocalMetadata, validate_sharding_integrity,
 )
@@ -20,9 +22,6 @@ from megatron.core.dist_checkpointing.strategies.base import (
     LoadCommonStrategy, LoadShardedStrategy, SaveCommonStrategy, SaveShardedStrategy,
     StrategyAction, get_default_strategy,
 )
-
-if TYPE_CHECKING:
-    from megatron.core.dist_checkpointing.serialization import CkptShardedMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ def determine_global_metadata(sharded_state_dict: ShardedStateDict
     return local, everyone
 
 
-def _determine_missing_and_unexpected_keys(ckpt_sharded_metadata: "CkptShardedMetadata",
+def _determine_missing_and_unexpected_keys(ckpt_sharded_metadata: CkptShardedMetadata,
                                            local_metadata: _LocalMetadata,
                                            global_metadata: Optional[_GlobalMetadata] = None
                                            ) -> Tuple[set, set]:
@@ -132,7 +131,7 @@ def validate_integrity_and_strict_load(sharded_state_dict: ShardedStateDict,
                                        strict: StrictHandling, validate_access_integrity: bool,
                                        local_metadata: Optional[_LocalMetadata] = None,
                                        global_metadata: Optional[_GlobalMetadata] = None,
-                                       ckpt_sharded_metadata: Optional["CkptShardedMetadata"]
+                                       ckpt_sharded_metadata: Optional[CkptShardedMetadata]
                                        = None) -> Tuple[ShardedStateDict, set, set]:
     """(the request without unexpected keys, missing keys, unexpected keys), after handling
     them as ``strict`` says and checking the sharding (``validate_access_integrity``)."""
