@@ -6,6 +6,7 @@ and crafted pickles that are refused without running."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -13,8 +14,10 @@ import pickle
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata, Metadata, TensorStorageMetadata,
+)
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import (
@@ -106,6 +109,24 @@ def test_on_disk_layout_is_upstreams(saved):
     stored = torch.load(io.BytesIO(state["rng/shard_0.0_1.1"]), weights_only=True)
     assert stored[0]["seed"] == 5 and len(stored) == 1  # torch.save([data]), as upstream
 
+
+
+def test_mcore_data_survives_a_writer_that_keeps_only_declared_fields(tmp_path, monkeypatch):
+    """torch 2.11's DCP writer wrote ``.metadata`` without the attributes ``Metadata`` does not
+    declare; the annotation is added to the file as written."""
+    finish = FileSystemWriter.finish
+
+    def declared_only(self, metadata, results):
+        kept = Metadata(**{f.name: getattr(metadata, f.name) for f in dataclasses.fields(Metadata)})
+        return finish(self, kept, results)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", declared_only)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    dc.save(_state(), directory)
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    assert metadata.mcore_data["main"] == {"nd_reformulated_orig_global_shape": (3, 4)}
+    assert not os.path.exists(directory / ".metadata.tmp")
 
 def test_round_trip_and_metadata(saved):
     request = _state()

@@ -12,7 +12,9 @@ resumes them here on CPU and must get the same).
   ``pretrain_gpt.py`` at iteration 4 of 8, for ``torch_dist`` and ``torch`` with the plain
   optimizer at pp 2 and the distributed optimizer at dp 2 (two ranks sharing the GPU);
 * ``golden.json``: the flags, each fixture's layout and optimizer, the losses of upstream's save
-  run (iterations 1-4) and of its resume of the fixture at the same layout (5-8), versions.
+  run (iterations 1-4), of its resume of the fixture at the same layout (5-8) and of its run
+  through all 8 iterations without a stop (the truth a resume must give: upstream 0.11's own
+  resume departs from it with the distributed optimizer under torch's Adam), versions.
 
 A 2-layer model of hidden size 32 (vocabulary 128, sequence 32) keeps the four under ~1.5 MB.
 Copy ``DIR/golden`` to ``tests/data/upstream_core_v0_11/golden``. ``MEGATRON_LM_PACKAGES``: a
@@ -47,7 +49,13 @@ def fixture_name(fmt: str, optimizer: str) -> str:
 
 
 def _run_all(runner: Runner, work: Path) -> dict[str, dict]:
-    """Every fixture saved, then resumed, by upstream, side by side."""
+    """Every fixture saved, then resumed, by upstream, side by side, and upstream's run
+    without a stop at each fixture's layout and optimizer."""
+    def uninterrupted(key):
+        name = fixture_name(*key)
+        return runner.train(UPSTREAM, LAYOUTS[FIXTURES[key]], OPTIMIZERS[key[1]],
+                            work / f"{name}-uninterrupted")
+
     def save(key):
         name = fixture_name(*key)
         return runner.save(UPSTREAM, *key, LAYOUTS[FIXTURES[key]], work / name)
@@ -58,12 +66,15 @@ def _run_all(runner: Runner, work: Path) -> dict[str, dict]:
                              work / name / "checkpoint", work / f"{name}-resumed")
 
     keys = list(FIXTURES)
-    with ThreadPoolExecutor(len(keys)) as pool:
+    with ThreadPoolExecutor(2 * len(keys)) as pool:
+        straight = pool.map(uninterrupted, keys)
         saved = dict(zip(keys, pool.map(save, keys)))
         resumed = dict(zip(keys, pool.map(resume, keys)))
+        straight = dict(zip(keys, straight))
     return {fixture_name(*key): {"format": key[0], "optimizer": key[1],
                                  "layout": FIXTURES[key], "saved_at": SAVE_AT,
-                                 "save_losses": saved[key], "resume_losses": resumed[key]}
+                                 "save_losses": saved[key], "resume_losses": resumed[key],
+                                 "uninterrupted_losses": straight[key]}
             for key in keys}
 
 
@@ -102,7 +113,8 @@ def main(argv=None) -> int:
     size = sum(f.stat().st_size for f in golden.rglob("*") if f.is_file())
     print(f"wrote {golden}: {len(fixtures)} checkpoints, {size / 1e6:.2f} MB in all")
     for name, fixture in fixtures.items():
-        print(f"  {name} at {fixture['layout']}: resumed losses {fixture['resume_losses']}")
+        print(f"  {name} at {fixture['layout']}: resumed {fixture['resume_losses']}, "
+              f"uninterrupted {fixture['uninterrupted_losses']}")
     if options.tar:
         with tarfile.open(options.tar, "w:gz") as archive:
             archive.add(golden, arcname="golden")

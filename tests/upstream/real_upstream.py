@@ -13,11 +13,17 @@ this tree, never the checkout), each change stated in ``SHIMS``:
   object first, a serialization format last; later megatron-core versions pass both);
 * torch >= 2.6 loads with ``weights_only=True`` by default, which its own ``torch.load`` calls
   predate: ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` in upstream's environment only;
+* torch 2.11's DCP writer keeps only the fields ``Metadata`` declares, which loses the
+  ``mcore_data`` 0.11 sets on it (the shapes of flattened optimizer tensors, without which it
+  cannot load its own distributed optimizer's state): a subclass declares it, as later
+  megatron-core versions do;
 * numpy >= 2 removed ``np.product`` (its dist-checkpointing checks of flattened tensors);
 * without apex or Transformer Engine its optimizer is torch's AdamW, which keeps a 0-d ``step``
   per parameter that 0.11's distributed optimizer cannot flatten into ``fully_sharded_model_space``,
   copies into nothing when loading its state, and lacks before the first step: the step stays in
-  the parameter groups (as with apex's Adam, and as later megatron-core versions do).
+  the parameter groups (as with apex's Adam, and as later megatron-core versions do);
+* in fp32 training its legacy ``distrib_optim.pt`` load copies into the main parameters, which
+  are then the model's own parameters, outside ``torch.no_grad`` (autograd refuses).
 
 Upstream asserts that ``--train-iters`` equals the checkpoint's, so a first run stops with
 ``--exit-interval`` (after its ``--save-interval`` save, which upstream requires with
@@ -78,11 +84,26 @@ def _harness_write_item(stream, data, write_item, storage_key, _torch_write_item
 
 _write_item = _harness_write_item
 '''
+_DECLARED_MCORE_DATA = '''
+
+# Added by this tree's test harness (not upstream): torch 2.11's DCP writer keeps only the
+# fields Metadata declares, so megatron-core's flattened-tensor shapes must be one.
+@dataclass
+class HarnessMetadata(Metadata):
+    mcore_data: Optional[Dict[str, Dict[str, Any]]] = None
+'''
+_MCORE_DATA_SET = "        metadata.mcore_data = dict(ChainMap(*(plan.mcore_data for plan in all_plans)))\n"
 _DIST_OPTIMIZER = "megatron/core/optimizer/distrib_optimizer.py"
 _STEPS = 'steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))'
 SHIMS = (
     Shim("megatron/core/dist_checkpointing/strategies/filesystem_async.py", None,
          _WRITE_ITEM_ADAPTER, "torch >= 2.6 changed _write_item's arguments"),
+    Shim("megatron/core/dist_checkpointing/strategies/torch.py", _MCORE_DATA_SET,
+         _MCORE_DATA_SET.replace("metadata.mcore_data = ", "metadata = HarnessMetadata(\n"
+                                 "            **vars(metadata), mcore_data=") + "        )\n",
+         "torch 2.11 writes only Metadata's declared fields (mcore_data was lost)"),
+    Shim("megatron/core/dist_checkpointing/strategies/torch.py", None, _DECLARED_MCORE_DATA,
+         "the declared mcore_data of the shim above"),
     *(Shim(f"megatron/core/dist_checkpointing/{name}", "np.product(", "np.prod(",
            "numpy >= 2 removed np.product", count=None)
       for name in ("mapping.py", "validation.py", "exchange_utils.py")),
@@ -94,8 +115,10 @@ SHIMS = (
          "torch AdamW: a 0-d step cannot be flattened (fully_sharded_model_space)"),
     Shim(_DIST_OPTIMIZER, "                dst_tensors[key].copy_(tensors[key])\n",
          "                if key in tensors:  # harness: the step comes from the groups\n"
-         "                    dst_tensors[key].copy_(tensors[key])\n",
-         "torch AdamW: saved parameter state holds no step to copy"),
+         "                    with torch.no_grad():  # harness: fp32 main params are leaves\n"
+         "                        dst_tensors[key].copy_(tensors[key])\n",
+         "torch AdamW: saved parameter state holds no step to copy; fp32 training: the legacy "
+         "distrib_optim.pt load copies into parameters with autograd on"),
 )
 
 
@@ -172,7 +195,9 @@ class Model:
                 "1.0", "--adam-beta2", "0.95", "--log-interval", "1", "--eval-interval",
                 "1000", "--eval-iters", "1", "--no-gradient-accumulation-fusion",
                 "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-                "--no-bias-gelu-fusion", "--no-persist-layer-norm"]
+                "--no-bias-gelu-fusion", "--no-persist-layer-norm",
+                # 128 rows at tp 1 and 2 alike: upstream resumes no other padded vocabulary size
+                "--make-vocab-size-divisible-by", "64"]
 
 
 class RunFailed(AssertionError):

@@ -146,7 +146,10 @@ class DistSource(CheckpointSource):
         except Exception as error:  # DCP raises its own types for missing or bad metadata
             raise CheckpointFormatError(f"{path}: cannot read the torch.distributed.checkpoint "
                                         f"metadata ({str(error).splitlines()[0]})") from None
-        flattened = getattr(metadata, "mcore_data", None) or {}
+        # Upstream 0.11 saving under torch >= 2.11 loses its mcore_data: the shapes it held are
+        # its model tensors'.
+        flattened = getattr(metadata, "mcore_data", None) or {
+            key: {_FLATTENED_SHAPE: shape} for key, shape in _flattened_shapes(metadata).items()}
         # canonical name -> its region; optimizer keys apart
         self._regions: dict[str, _Region] = {}
         self._optimizer_regions: dict[str, _Region] = {}
@@ -310,15 +313,22 @@ def describe_flattened(metadata) -> None:
     optimizer tensor (``distributed_optimizer_layout``) the original global shape, which is its
     model tensor's (stored in the same checkpoint); upstream's loader needs it to cut the
     flattened chunks at its own layout."""
+    metadata.mcore_data = {key: {_FLATTENED_SHAPE: shape}
+                           for key, shape in _flattened_shapes(metadata).items()}
+
+
+def _flattened_shapes(metadata) -> dict[str, tuple[int, ...]]:
+    """The original global shape of every optimizer key stored N-D flattened: one axis more
+    than its model tensor, whose shape it is."""
     sizes = {key: entry.size for key, entry in metadata.state_dict_metadata.items()
              if isinstance(entry, TensorStorageMetadata)}
-    described = {}
+    shapes = {}
     for key, size in sizes.items():
         match = _UPSTREAM_OPTIMIZER_KEY.match(key)
         original = sizes.get(match.group(2)) if match else None
         if original is not None and len(size) == len(original) + 1:
-            described[key] = {_FLATTENED_SHAPE: tuple(original)}
-    metadata.mcore_data = described
+            shapes[key] = tuple(original)
+    return shapes
 
 
 def write(state: dict[str, Any], directory: str, common: Optional[dict[str, Any]]) -> None:

@@ -110,14 +110,19 @@ class TolerantReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as metadata_file:
-            try:
-                metadata = _MetadataUnpickler(metadata_file, str(path)).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as error:
-                raise CheckpointFormatError(f"{path} is unreadable: {error}") from None
+            metadata = read_metadata_file(metadata_file, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def read_metadata_file(stream, name: str) -> Metadata:
+    """The DCP metadata pickled in ``stream`` (the file ``name``), through the allowlist."""
+    try:
+        return _MetadataUnpickler(stream, name).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as error:
+        raise CheckpointFormatError(f"{name} is unreadable: {error}") from None
 
 
 def _lookup(state_dict: dict, index: MetadataIndex):

@@ -20,6 +20,8 @@ Two options of the plan (the checkpoint's content is the same either way):
 from __future__ import annotations
 
 import inspect
+import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -33,6 +35,7 @@ from megatron.core.dist_checkpointing.ranks import from_every_rank
 from megatron.core.dist_checkpointing.strategies import dcp_chunks
 
 COORDINATOR = 0
+METADATA_FILE = ".metadata"  # DCP's name for the global metadata
 
 
 @dataclass
@@ -44,6 +47,7 @@ class PlannedSave:
     planner: SavePlanner
     plan: SavePlan  # this rank's final plan: what it writes
     metadata: Optional[Metadata]  # the global metadata, on the coordinator only
+    annotate: Optional[Callable[[Metadata], None]] = None
 
 
 def _rank() -> int:
@@ -84,8 +88,6 @@ def plan(state: dict[str, Any], directory: str, *, spread: bool = True,
     if coordinator:
         try:
             central, metadata = planner.create_global_plan(local_plans)
-            if annotate is not None:
-                annotate(metadata)
             outcome = [(rank_plan, None) for rank_plan in writer.prepare_global_plan(central)]
         except ValueError as error:  # a plan torch finds inconsistent: every rank must hear
             outcome = [(None, str(error).splitlines()[0])] * len(local_plans)
@@ -96,7 +98,7 @@ def plan(state: dict[str, Any], directory: str, *, spread: bool = True,
     if failure is not None:
         raise RuntimeError(f"torch.distributed.checkpoint cannot plan {directory}: {failure}")
     final = planner.finish_plan(central_plan)
-    return PlannedSave(directory, writer, planner, final, metadata)
+    return PlannedSave(directory, writer, planner, final, metadata, annotate)
 
 
 def write(planned: PlannedSave) -> list[WriteResult]:
@@ -109,6 +111,29 @@ def write(planned: PlannedSave) -> list[WriteResult]:
 def finish(planned: PlannedSave, results: list[list[WriteResult]]) -> None:
     """Write the ``.metadata`` file from every rank's write results (the coordinator only)."""
     planned.writer.finish(metadata=planned.metadata, results=results)
+    if planned.annotate is not None:
+        _annotate_written(planned.directory, planned.annotate)
+
+
+def _annotate_written(directory: str, annotate: Callable[[Metadata], None]) -> None:
+    """Add ``annotate``'s fields to the ``.metadata`` file as written: torch 2.11's writer
+    drops attributes its ``Metadata`` does not declare (an H200 run lost megatron-core's
+    ``mcore_data`` that way), so they are set on what torch wrote, then replaced atomically."""
+    path = os.path.join(directory, METADATA_FILE)
+    with open(path, "rb") as stream:
+        metadata = dcp_chunks.read_metadata_file(stream, path)
+    annotate(metadata)
+    write_metadata(directory, metadata)
+
+
+def write_metadata(directory: str, metadata: Metadata) -> None:
+    """Replace ``directory``'s ``.metadata`` with ``metadata``, atomically."""
+    path = os.path.join(directory, METADATA_FILE)
+    with open(f"{path}.tmp", "wb") as stream:
+        pickle.dump(metadata, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(f"{path}.tmp", path)
 
 
 def save(state: dict[str, Any], directory: str, *, spread: bool = True,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Union
 
@@ -55,7 +54,6 @@ from megatron.core.dist_checkpointing.strategies.torch_reads import (
 )
 
 BACKEND, VERSION = "torch_dist", 1
-_METADATA_FILE = ".metadata"
 
 
 def register_default_torch_strategies(replace: bool = True) -> None:
@@ -279,11 +277,6 @@ def remove_keys(checkpoint_dir: str, key_prefix: str) -> None:
         planner_data=planner_data)
     trimmed.mcore_data = {k: v for k, v in (getattr(metadata, "mcore_data", None) or {}).items()
                           if k not in dropped}
-    path = os.path.join(checkpoint_dir, _METADATA_FILE)
-    with open(path + ".tmp", "wb") as stream:
-        pickle.dump(trimmed, stream)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(path + ".tmp", path)
+    dcp_save.write_metadata(str(checkpoint_dir), trimmed)
     for name in sorted(files_of_dropped - files_left):
         os.remove(os.path.join(checkpoint_dir, name))
