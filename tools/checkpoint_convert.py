@@ -34,7 +34,7 @@ from megatron.training.checkpoint import (  # noqa: E402
     dist_optimizer_common, hf_export, legacy_convert, sharded_objects, upstream_dist,
 )
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
-from megatron.training.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron.core.dist_checkpointing.errors import CheckpointError  # noqa: E402
 from megatron.training.checkpoint.formats import TRACKER, open_checkpoint  # noqa: E402
 from megatron.training.checkpoint.legacy_convert import WholeOptimizer  # noqa: E402
 from megatron.training.checkpoint.source import (  # noqa: E402
@@ -96,7 +96,7 @@ def write_tracker(output: str, iteration: int) -> None:
 
 def write_layout_free(output: str, source, tensors: dict[str, torch.Tensor],
                       optimizer: Optional[WholeOptimizer]) -> None:
-    from megatron.training.checkpoint import dcp_chunks
+    from megatron.core.dist_checkpointing.strategies import dcp_chunks
     from megatron.training.checkpoint.layout_free import FORMAT_VERSION
     from megatron.training.checkpoint.source import optimizer_key
 

@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.training.checkpoint import (
-    dcp_save, integrity, legacy_save, pending, safe_load, save_job,
-)
+from megatron.core.dist_checkpointing import safe_load
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.strategies import dcp_save
+from megatron.training.checkpoint import integrity, legacy_save, pending, save_job
 from megatron.training.checkpoint.dist_save import plan_torch_dist
-from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import (
     TRACKER,
     detect_format,

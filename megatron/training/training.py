@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (
@@ -32,10 +33,9 @@ from megatron.core.pipeline_parallel.verify import Layout, VerificationError, ve
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import metrics_writers, progress_log, run_clock
-from megatron.training.checkpoint import pending
-from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.arguments import ArgumentError, validate_training_args
 from megatron.training.batch_schedule import resolve_train_iters, train_samples
+from megatron.training.checkpoint import pending
 from megatron.training.checkpoint_and_exit import (
     checkpoint_and_decide_exit, save_checkpoint_and_time,
 )
@@ -48,9 +48,9 @@ from megatron.training.iteration_log import (
 )
 from megatron.training.loop_args import validate_loop_args
 from megatron.training.loop_hooks import LoopHooks
+from megatron.training.lr_schedule import optimizer_param_scheduler_from_args
 from megatron.training.memory import empty_unused_memory, start_memory_history
 from megatron.training.param_checks import WeightHashMismatch
-from megatron.training.lr_schedule import optimizer_param_scheduler_from_args
 from megatron.training.rendezvous import StartupError
 from megatron.training.run_clock import print_datetime
 from megatron.training.signals import SigtermWatcher

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from megatron.training.checkpoint import dcp_save, save_job
-from megatron.training.checkpoint.dcp_chunks import TensorPieces
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.strategies import dcp_save
+from megatron.core.dist_checkpointing.strategies.dcp_chunks import TensorPieces
+from megatron.training.checkpoint import save_job
 from megatron.training.checkpoint.parallel_load import ReadOnceSource
 from megatron.training.checkpoint.source import CheckpointSource
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.training.checkpoint import dcp_chunks
-from megatron.training.checkpoint.dcp_chunks import TensorPieces
+from megatron.core.dist_checkpointing.strategies import dcp_chunks
+from megatron.core.dist_checkpointing.strategies.dcp_chunks import TensorPieces
 from megatron.training.checkpoint.integrity import verify_checkpoint
 from tests.distributed import checkpoint_flag_cases as cases
 from tests.distributed.test_trainer import PRETRAIN, data, losses, run, small_gpt  # noqa: F401

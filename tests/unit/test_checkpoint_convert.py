@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.training.checkpoint import legacy_convert
-from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.model_shape import shape_difference
 

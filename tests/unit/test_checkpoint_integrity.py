@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.training.checkpoint.integrity import (
     MANIFEST,
     file_digest,

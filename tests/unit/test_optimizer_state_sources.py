@@ -15,16 +15,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron.core import ModelParallelConfig
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint.dist_optimizer_common import (
+    saved_grad_scaler, saved_param_groups, saved_steps,
+)
 from megatron.training.checkpoint.layout_free import LayoutFreeSource
 from megatron.training.checkpoint.optimizer_state import load_optimizer_state, restore_optimizer
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key,
-)
-from megatron.training.checkpoint.dist_optimizer_common import (
-    saved_grad_scaler, saved_param_groups, saved_steps,
 )
 from megatron.training.checkpoint.upstream_dist import _regions, _unflatten
 

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.core.dist_checkpointing import safe_load
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.strategies import dcp_chunks
 from megatron.core.enums import ModelType
 from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 from megatron.core.transformer.enums import AttnBackend
-from megatron.training.checkpoint import dcp_chunks, legacy_convert, safe_load, sharded_objects
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint import legacy_convert, sharded_objects
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.legacy_convert import WholeOptimizer
 from megatron.training.checkpoint.source import optimizer_key

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.training import global_vars
 from megatron.training.arguments import (
     ArgumentError, parse_args, validate_args, validate_training_args,
 )
-from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.optimizer_state import restore_scheduler
 from megatron.training.training import get_optimizer_param_scheduler
 

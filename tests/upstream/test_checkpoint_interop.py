@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.training.checkpoint.upstream_names import (
     LAYER_PREFIX, layer_name, split_layer, to_local,
 )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megatron.training.checkpoint import dcp_chunks
+from megatron.core.dist_checkpointing.strategies import dcp_chunks
 from megatron.training.checkpoint.sharded_objects import decode
 
 

@@ -30,9 +30,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.ranks import from_every_rank
+from megatron.core.dist_checkpointing.strategies import dcp_save
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.training.checkpoint import dcp_save, dist_optimizer_common, upstream_dist
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.training.checkpoint import dist_optimizer_common, upstream_dist
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, to_host, unwrap
 from megatron.training.checkpoint.optimizer_state import (
     MAIN,
@@ -40,7 +42,6 @@ from megatron.training.checkpoint.optimizer_state import (
     group_settings,
     optimizer_state_to_save,
 )
-from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.rng_state import rng_state_list
 from megatron.training.checkpoint.sharded_objects import RERUN_STATE, RNG_STATE, add_object
 from megatron.training.checkpoint.source import OPTIMIZER_PREFIX, split_optimizer_key

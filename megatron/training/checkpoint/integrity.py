@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron.training.checkpoint.errors import CheckpointError
-from megatron.training.checkpoint.ranks import from_every_rank
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.ranks import from_every_rank
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1

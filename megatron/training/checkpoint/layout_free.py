@@ -15,8 +15,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from megatron.training.checkpoint import dcp_chunks, safe_load
-from megatron.training.checkpoint.safe_load import UnsafeCheckpoint
+from megatron.core.dist_checkpointing import safe_load
+from megatron.core.dist_checkpointing.safe_load import UnsafeCheckpoint
+from megatron.core.dist_checkpointing.strategies import dcp_chunks
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
 )

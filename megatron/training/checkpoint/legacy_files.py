@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.training.checkpoint import legacy_layout, safe_load, tp_layout
+from megatron.core.dist_checkpointing import safe_load
+from megatron.training.checkpoint import legacy_layout, tp_layout
 from megatron.training.checkpoint.legacy_layout import BufferSettings
 from megatron.training.checkpoint.upstream_names import (
     EXTRA_STATE, LAYER_LINEARS, TE_ATTENTION, layer_name, split_layer, to_te, tp_partition,

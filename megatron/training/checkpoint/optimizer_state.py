@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.ranks import from_every_rank
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer import MainParamPiece
 from megatron.core.optimizer_param_scheduler import ScheduleMismatchError
-from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.model_tensors import (
     VOCAB_PARALLEL,
     assemble_shards,
@@ -38,7 +39,6 @@ from megatron.training.checkpoint.model_tensors import (
     model_tensors,
     my_shard,
 )
-from megatron.training.checkpoint.ranks import from_every_rank
 from megatron.training.checkpoint.source import CheckpointSource, optimizer_key
 from megatron.training.checkpoint.upstream_names import to_local
 

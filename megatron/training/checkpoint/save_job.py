@@ -32,10 +32,11 @@ from typing import Callable, Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.training.checkpoint import dcp_save, integrity
-from megatron.training.checkpoint.errors import CheckpointError
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.ranks import from_every_rank
+from megatron.core.dist_checkpointing.strategies import dcp_save
+from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.formats import TRACKER
-from megatron.training.checkpoint.ranks import from_every_rank
 
 HANDOFF = ".handoff"
 _POLL_S = 0.05

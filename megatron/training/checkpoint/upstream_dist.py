@@ -37,9 +37,10 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.core.dist_checkpointing import safe_load
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies import dcp_chunks, dcp_save
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
-from megatron.training.checkpoint import dcp_chunks, dcp_save, safe_load
 from megatron.training.checkpoint.dist_optimizer_common import (
     READABLE_SHARDING, STEP, saved_grad_scaler, saved_param_groups, saved_sharding_types,
     saved_steps,

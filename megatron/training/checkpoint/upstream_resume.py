@@ -31,8 +31,8 @@ from typing import Union
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.training.checkpoint.errors import CheckpointError
 from megatron.training.checkpoint.formats import open_checkpoint
 from megatron.training.checkpoint.model_loading import load_model_tensors
 from megatron.training.checkpoint.model_shape import shape_difference

@@ -23,7 +23,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from megatron.training.checkpoint import safe_load, tp_layout
+from megatron.core.dist_checkpointing import safe_load
+from megatron.training.checkpoint import tp_layout
 from megatron.training.checkpoint.legacy_files import CHECKPOINT_VERSION, MODEL_FILE, rank_dir
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,

@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron.training.checkpoint import legacy_layout, safe_load
+from megatron.core.dist_checkpointing import safe_load
+from megatron.training.checkpoint import legacy_layout
 from megatron.training.checkpoint.legacy_files import DISTRIBUTED_OPTIMIZER_FILE, MAIN
 from megatron.training.checkpoint.source import optimizer_key
 
