@@ -35,12 +35,6 @@ _FOREIGN_BACKENDS = {"zarr": "convert it to torch_dist with upstream megatron-co
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int):
     """The registered strategy for ``action`` on ``backend`` at format ``version``."""
-    if backend == "torch_dist":  # registered on first use: it imports torch's DCP
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            register_default_torch_strategies,
-        )
-
-        register_default_torch_strategies(replace=False)
     if backend in _FOREIGN_BACKENDS:
         raise CheckpointingException(f"the {backend!r} checkpoint backend is not supported "
                                      f"here: {_FOREIGN_BACKENDS[backend]}")

@@ -41,7 +41,6 @@ from megatron.core.dist_checkpointing.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     StrategyAction,
-    default_strategies,
     register_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.torch_reads import (
@@ -56,14 +55,12 @@ from megatron.core.dist_checkpointing.strategies.torch_reads import (
 BACKEND, VERSION = "torch_dist", 1
 
 
-def register_default_torch_strategies(replace: bool = True) -> None:
-    """Make this module's strategies the torch_dist defaults (``replace`` False: only where
-    none is registered yet, keeping one a caller registered)."""
-    for action, make in ((StrategyAction.LOAD_SHARDED, TorchDistLoadShardedStrategy),
-                         (StrategyAction.SAVE_SHARDED,
-                          lambda: TorchDistSaveShardedStrategy(BACKEND, VERSION))):
-        if replace or (BACKEND, VERSION) not in default_strategies[action.value]:
-            register_default_strategy(action, BACKEND, VERSION, make())
+def register_default_torch_strategies() -> None:
+    """Make this module's strategies the torch_dist defaults."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
+                              TorchDistLoadShardedStrategy())
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
+                              TorchDistSaveShardedStrategy(BACKEND, VERSION))
 
 
 def _add_tensor(state: dict[str, Any], described: dict[str, dict], tensor: ShardedTensor) -> None:
