@@ -40,7 +40,7 @@ from megatron.training.checkpoint.legacy_convert import WholeOptimizer  # noqa: 
 from megatron.training.checkpoint.source import (  # noqa: E402
     OPTIMIZER_PREFIX, split_optimizer_key,
 )
-from megatron.training.checkpoint.upstream_names import split_layer  # noqa: E402
+from megatron.core.dist_checkpointing.upstream_names import split_layer  # noqa: E402
 
 OUTPUT_FORMATS = ("layout_free", "torch", "torch_dist", "hf")
 STEP = "step"

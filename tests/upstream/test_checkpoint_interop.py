@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.errors import CheckpointError
-from megatron.training.checkpoint.upstream_names import (
+from megatron.core.dist_checkpointing.upstream_names import (
     LAYER_PREFIX, layer_name, split_layer, to_local,
 )
 from tests.launcher import run_ranks
@@ -186,6 +186,43 @@ def load_here(rank: int, world: int, pp: int, checkpoints: dict[str, str]) -> di
     return found
 
 
+def load_sharded_here(rank: int, world: int, tp: int, pp: int, checkpoints: dict[str, str]
+                      ) -> dict:
+    """At tp x pp: read each upstream torch_dist iteration directory through megatron-core's
+    API, ``dist_checkpointing.load`` into ``model.sharded_state_dict()``, then
+    ``load_state_dict``; the logits."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+    found = {}
+    for label, path in checkpoints.items():
+        model = our_model(MODELS[label], tp, pp)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        model.load_state_dict(loaded["model"])
+        found[label] = pipeline_logits(model, torch.tensor(TOKENS))
+    return found
+
+
+def save_sharded_here(rank: int, world: int, out: str) -> dict:
+    """At tp 2 x pp 2: save each model through megatron-core's API (``dist_checkpointing.save``
+    of ``model.sharded_state_dict()`` under "model", as Megatron-LM's loop lays it out); the
+    logits."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=2)
+    found = {}
+    for label, spec in MODELS.items():
+        model = our_model(spec, 2, 2)
+        directory = os.path.join(out, label)
+        os.makedirs(directory, exist_ok=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0,
+                                 "iteration": 7}, directory)
+        found[label] = pipeline_logits(model, torch.tensor(TOKENS))
+    return found
+
+
 def save_here(rank: int, world: int, out: str) -> tuple[dict, dict]:
     """At tp 2 x pp 2: save each model with its plain optimizer (made-up Adam state at step
     OUR_STEP) as torch_dist; the logits, and the optimizer tensors this rank wrote whole."""
@@ -246,6 +283,29 @@ def test_upstream_tp2_pp2_checkpoints_load_here(upstream_saved, pp):
     for label, found in logits.items():
         expected = torch.load(upstream_saved / label.split("/")[0] / "logits.pt")
         assert_same_logits(found, expected, f"{label} at pp {pp}")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
+def test_sharded_state_dict_loads_upstreams_torch_dist(upstream_saved, tp, pp):
+    checkpoints = {label: str(upstream_saved / label / "torch_dist" / "iter_0000007")
+                   for label in MODELS}
+    logits = last_stage(run_ranks(load_sharded_here, tp * pp, args=(tp, pp, checkpoints),
+                                  timeout_s=120))
+    assert sorted(logits) == sorted(MODELS)
+    for label, found in logits.items():
+        expected = torch.load(upstream_saved / label / "logits.pt")
+        assert_same_logits(found, expected, f"{label} at tp {tp} x pp {pp}")
+
+
+def test_upstream_loads_our_sharded_state_dict_save_at_tp1(upstream_site, tmp_path):
+    ours = last_stage(run_ranks(save_sharded_here, 4, args=(str(tmp_path / "ours"),),
+                                timeout_s=120))
+    out = tmp_path / "upstream"
+    run_upstream(upstream_site, 1, {"action": "load", "tp": 1, "pp": 1, "models": MODELS,
+                                    "tokens": TOKENS, "load": str(tmp_path / "ours"),
+                                    "out": str(out)})
+    for label in MODELS:
+        assert_same_logits(torch.load(out / label / "logits.pt"), ours[label], label)
 
 
 def test_upstream_loads_our_tp2_pp2_torch_dist_at_tp1(upstream_site, tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training.checkpoint.upstream_names import to_local
+from megatron.core.dist_checkpointing.upstream_names import to_local
 from tests.launcher import run_ranks
 from tests.upstream.upstream_harness import run_with_deadline, upstream_environment
 from tests.upstream.upstream_tree import upstream_python_path

@@ -285,5 +285,9 @@ class DistributedDataParallel(torch.nn.Module):
         inner = getattr(self.module, "state_dict_for_save_checkpoint", self.module.state_dict)
         return inner(prefix=prefix, keep_vars=keep_vars)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata=None) -> dict:
+        return self.module.sharded_state_dict(prefix, sharded_offsets, metadata)
+
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer.sharded_state import module_sharded_state_dict
 
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
@@ -24,6 +25,12 @@ class MegatronModule(torch.nn.Module):
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """The state dict written to checkpoints (the plain one unless a subclass overrides)."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """This module's tensors as megatron-core's sharded state dict, for
+        ``megatron.core.dist_checkpointing.save`` / ``load`` (``sharded_state``)."""
+        return module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 def _convert_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -80,6 +87,10 @@ class Float16Module(MegatronModule):
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        return self.module.sharded_state_dict(prefix, sharded_offsets, metadata)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)

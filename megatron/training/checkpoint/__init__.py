@@ -8,7 +8,7 @@ Saving: ``save_job`` writes a checkpoint's tensors and publishes it, now or in t
 tensor once per data-parallel group (--ckpt-fully-parallel-load).
 Interoperation with upstream (issue 15): ``formats`` detects a directory's format and opens its
 reader (``source``): ``layout_free`` (this tree), ``upstream_torch`` (legacy per-rank files),
-``upstream_dist`` (torch_dist); ``upstream_names`` maps local/TE names and tensor-parallel cuts;
+``upstream_dist`` (torch_dist), with the names of ``megatron.core.dist_checkpointing.upstream_names``;
 ``model_loading`` fills a model, and ``optimizer_state`` the optimizer, from any reader;
 ``upstream_resume`` is ``--load``'s path for upstream formats; ``dist_save`` is
 ``--ckpt-format torch_dist`` (``sharded_objects``: megatron-core's sharded objects, there the

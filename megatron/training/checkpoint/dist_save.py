@@ -33,6 +33,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.ranks import from_every_rank
 from megatron.core.dist_checkpointing.strategies import dcp_save
+from megatron.core.dist_checkpointing.upstream_names import to_local
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.checkpoint import dist_optimizer_common, upstream_dist
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, to_host, unwrap
@@ -45,7 +46,6 @@ from megatron.training.checkpoint.optimizer_state import (
 from megatron.training.checkpoint.rng_state import rng_state_list
 from megatron.training.checkpoint.sharded_objects import RERUN_STATE, RNG_STATE, add_object
 from megatron.training.checkpoint.source import OPTIMIZER_PREFIX, split_optimizer_key
-from megatron.training.checkpoint.upstream_names import to_local
 from megatron.training.flops import num_floating_point_operations
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core.dist_checkpointing.upstream_names import layer_name
 from megatron.training.checkpoint.model_shape import model_shape
-from megatron.training.checkpoint.upstream_names import layer_name
 
 
 def why_not_llama(args: dict[str, Any]) -> Optional[str]:

@@ -18,10 +18,10 @@ import torch
 from megatron.core.dist_checkpointing import safe_load
 from megatron.core.dist_checkpointing.safe_load import UnsafeCheckpoint
 from megatron.core.dist_checkpointing.strategies import dcp_chunks
+from megatron.core.dist_checkpointing.upstream_names import to_local
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
 )
-from megatron.training.checkpoint.upstream_names import to_local
 
 # 2: optimizer state under layout-free names (1: per-rank files, loadable at the same layout).
 FORMAT_VERSION = 2

@@ -14,10 +14,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.core.dist_checkpointing.upstream_names import split_layer, to_local
 from megatron.training.checkpoint import legacy_files, legacy_layout
 from megatron.training.checkpoint.legacy_files import MAIN, RankOptimizer
 from megatron.training.checkpoint.source import optimizer_key
-from megatron.training.checkpoint.upstream_names import split_layer, to_local
 
 _KINDS = ("exp_avg", "exp_avg_sq", MAIN)
 _HALF = (torch.float16, torch.bfloat16)

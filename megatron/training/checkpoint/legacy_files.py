@@ -22,11 +22,11 @@ from typing import Any, Optional
 import torch
 
 from megatron.core.dist_checkpointing import safe_load
-from megatron.training.checkpoint import legacy_layout, tp_layout
-from megatron.training.checkpoint.legacy_layout import BufferSettings
-from megatron.training.checkpoint.upstream_names import (
+from megatron.core.dist_checkpointing.upstream_names import (
     EXTRA_STATE, LAYER_LINEARS, TE_ATTENTION, layer_name, split_layer, to_te, tp_partition,
 )
+from megatron.training.checkpoint import legacy_layout, tp_layout
+from megatron.training.checkpoint.legacy_layout import BufferSettings
 
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"

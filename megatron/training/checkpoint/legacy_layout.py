@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Container, Optional, Sequence
 
-from megatron.training.checkpoint.upstream_names import EXTRA_STATE, split_layer, to_local
+from megatron.core.dist_checkpointing.upstream_names import EXTRA_STATE, split_layer, to_local
 
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Upstream's modules of one transformer layer, in registration order.

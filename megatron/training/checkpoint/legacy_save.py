@@ -22,13 +22,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.ranks import from_every_rank
+from megatron.core.dist_checkpointing.upstream_names import to_te
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.checkpoint import legacy_files, legacy_layout
 from megatron.training.checkpoint.legacy_files import MAIN, RankOptimizer
 from megatron.training.checkpoint.model_tensors import unwrap
 from megatron.training.checkpoint.rng_state import rng_state_list
-from megatron.training.checkpoint.upstream_names import to_te
 from megatron.training.flops import num_floating_point_operations
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.dist_checkpointing.upstream_names import to_local
 from megatron.training.checkpoint.model_tensors import (
     VOCAB_PARALLEL, join_shape, join_shards, model_tensors, my_shard,
 )
 from megatron.training.checkpoint.source import CheckpointFormatError, CheckpointSource
-from megatron.training.checkpoint.upstream_names import to_local
 
 
 def load_model_tensors(model_chunks, source: CheckpointSource) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.ranks import from_every_rank
+from megatron.core.dist_checkpointing.upstream_names import to_local
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer import MainParamPiece
 from megatron.core.optimizer_param_scheduler import ScheduleMismatchError
@@ -40,7 +41,6 @@ from megatron.training.checkpoint.model_tensors import (
     my_shard,
 )
 from megatron.training.checkpoint.source import CheckpointSource, optimizer_key
-from megatron.training.checkpoint.upstream_names import to_local
 
 MAIN = "fp32_param"
 STEP = "step"

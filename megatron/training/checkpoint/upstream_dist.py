@@ -41,6 +41,9 @@ from megatron.core.dist_checkpointing import safe_load
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.strategies import dcp_chunks, dcp_save
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+from megatron.core.dist_checkpointing.upstream_names import (
+    EXTRA_STATE, LAYER_LINEARS, LAYER_PREFIX, TE_ATTENTION, layer_name, split_layer, to_local, to_te,
+)
 from megatron.training.checkpoint.dist_optimizer_common import (
     READABLE_SHARDING, STEP, saved_grad_scaler, saved_param_groups, saved_sharding_types,
     saved_steps,
@@ -50,9 +53,6 @@ from megatron.training.checkpoint.sharded_objects import (
 )
 from megatron.training.checkpoint.source import (
     OPTIMIZER_PREFIX, CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
-)
-from megatron.training.checkpoint.upstream_names import (
-    EXTRA_STATE, LAYER_LINEARS, LAYER_PREFIX, TE_ATTENTION, layer_name, split_layer, to_local, to_te,
 )
 
 # The format's file names and backends, as megatron.core.dist_checkpointing writes them.

@@ -24,13 +24,13 @@ from typing import Iterable, Optional
 import torch
 
 from megatron.core.dist_checkpointing import safe_load
+from megatron.core.dist_checkpointing.upstream_names import (
+    EXTRA_STATE, layer_name, split_layer, to_local, tp_partition,
+)
 from megatron.training.checkpoint import tp_layout
 from megatron.training.checkpoint.legacy_files import CHECKPOINT_VERSION, MODEL_FILE, rank_dir
 from megatron.training.checkpoint.source import (
     CheckpointFormatError, CheckpointSource, optimizer_key, split_optimizer_key,
-)
-from megatron.training.checkpoint.upstream_names import (
-    EXTRA_STATE, layer_name, split_layer, to_local, tp_partition,
 )
 from megatron.training.checkpoint.upstream_torch_optimizer import (
     STEP, OptimizerIndex, RankFile, Unreadable, index_optimizer,

@@ -125,6 +125,14 @@ class GPTModel(LanguageModule):
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer(embedding_group)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """The module's sharded state dict without the output layer's (empty) extra state,
+        which megatron-core's GPT checkpoints do not hold; loading fills it in."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sharded.pop(f"{prefix}output_layer._extra_state", None)
+        return sharded
+
     def set_input_tensor(self, input_tensor) -> None:
         """Hidden states received from the previous pipeline stage (a tensor or [tensor])."""
         if isinstance(input_tensor, (list, tuple)):
