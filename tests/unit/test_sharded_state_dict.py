@@ -1,15 +1,21 @@
-"""``GPTModel.sharded_state_dict()`` in one process: upstream's keys and global shapes, and a
-``dist_checkpointing`` save / load round trip into another model. Against real upstream and at
-tp 2 x pp 2: ``tests/upstream/test_checkpoint_interop.py``."""
+"""``GPTModel.sharded_state_dict()`` and the plain optimizers' in one process: upstream's keys
+and global shapes, and ``dist_checkpointing`` save / load round trips into another model and
+optimizer (fp32, and bf16 with fp32 main parameters). Against real upstream and at tp 2 x pp 2:
+``tests/upstream/test_checkpoint_interop.py``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject, ShardedTensor, ShardedTensorFactory,
 )
+from megatron.core.distributed import (
+    DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 from tests.support.gpt_support import VOCAB, batch, build_gpt, small_config
 
@@ -88,3 +94,60 @@ def test_gated_fc1_under_tensor_parallelism_is_two_chunks_of_one_key(monkeypatch
     assert gate.global_shape == (4, 256, 32) and gate.global_offset == (0, 64, 0)
     assert up.global_offset == (0, 192, 0) and gate.replica_id == (0, 0, 0)
     assert torch.equal(entry.merge_fn({"gate": gate.data, "up": up.data}), fc1.detach())
+
+
+def _trained(bf16: bool, steps: int, seed: int):
+    """A GPT in DDP with its plain optimizer (fp32, or bf16 with fp32 main parameters) after
+    ``steps`` Adam steps."""
+    config = small_config(**SWIGLU, bf16=bf16)
+    model = _model(seed, bf16=bf16)
+    wrapped = DistributedDataParallel(
+        config, DistributedDataParallelConfig(), Float16Module(config, model) if bf16 else model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=bf16, weight_decay=0.1),
+                                       [wrapped])
+    for step in range(steps):
+        _step(wrapped, optimizer, step)
+    return wrapped, optimizer
+
+
+def _step(wrapped, optimizer, seed: int) -> float:
+    wrapped.zero_grad_buffer()
+    optimizer.zero_grad()
+    tokens, positions, labels = batch(seed=seed)
+    loss = wrapped(tokens, positions, None, labels=labels).float().mean()
+    loss.backward()
+    finalize_model_grads([wrapped])
+    optimizer.step()
+    return float(loss.detach())
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_optimizer_state_round_trip(bf16, tmp_path):
+    saved, saved_optimizer = _trained(bf16, steps=2, seed=1)
+    model_state = saved.sharded_state_dict()
+    sharded = saved_optimizer.sharded_state_dict(model_state)
+    torch_state = sharded["optimizer"] if bf16 else sharded
+    assert torch_state["state"]["common_step"] == 2
+    exp_avg = torch_state["state"][0]["exp_avg"]
+    assert exp_avg.key.startswith("optimizer.state.exp_avg.") and "step" not in torch_state[
+        "state"][0]
+    if bf16:
+        main = sharded["fp32_from_fp16_params"][0][0]
+        assert main.key.startswith("optimizer.state.fp32_param.") and main.dtype == torch.float32
+    dc.save({"model": model_state, "optimizer": sharded}, tmp_path)
+
+    loaded, loaded_optimizer = _trained(bf16, steps=0, seed=2)
+    model_state = loaded.sharded_state_dict()
+    state = dc.load({"model": model_state,
+                     "optimizer": loaded_optimizer.sharded_state_dict(model_state,
+                                                                      is_loading=True)},
+                    tmp_path)
+    loaded.load_state_dict(state["model"])
+    loaded_optimizer.load_state_dict(state["optimizer"])
+    for ours, theirs in zip(loaded_optimizer.main_param_pieces(),
+                            saved_optimizer.main_param_pieces()):
+        assert torch.equal(ours.main, theirs.main)
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded_optimizer.optimizer.state[ours.main][kind],
+                               saved_optimizer.optimizer.state[theirs.main][kind]), kind
+    assert _step(loaded, loaded_optimizer, 5) == _step(saved, saved_optimizer, 5)

@@ -391,6 +391,28 @@ def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
     return found
 
 
+def load_sharded_optimizer_here(rank: int, world: int, pp: int, roots: dict[str, str]
+                                ) -> list[tuple]:
+    """At tp 1 x pp ``pp``: megatron-core's API as Megatron-LM's loop calls it,
+    ``dist_checkpointing.load`` of the model's and the plain optimizer's sharded state dicts
+    from each upstream ``torch_dist`` save, then both ``load_state_dict``; this rank's pieces."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    found = []
+    for label, root in roots.items():
+        model, optimizer, _ = optimizer_and_scheduler(our_model(MODELS[label], 1, pp), False)
+        model_state = model.sharded_state_dict()
+        request = {"model": model_state,
+                   "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)}
+        loaded = dist_checkpointing.load(request, os.path.join(root, "iter_0000007"))
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        found.append((label, sorted({group["lr"] for group in optimizer.param_groups}),
+                      optimizer_pieces([model], optimizer)))
+    return found
+
+
 def canonical_state(upstream_key: str, whole: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
     """(state kind, canonical name) -> tensor of one of upstream's optimizer keys, split into
     layers where the key stacks them."""
@@ -408,6 +430,28 @@ def upstream_trained(upstream_site, tmp_path_factory) -> Path:
         run_upstream(upstream_site, 4, {"action": "train_save", **layout, "models": MODELS,
                                         "tokens": TOKENS, "out": str(out / kind)})
     return out
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_optimizer_sharded_state_dict_loads_upstreams_plain_optimizer(upstream_trained, pp):
+    roots = {label: str(upstream_trained / "plain" / label / "torch_dist") for label in MODELS}
+    results = run_ranks(load_sharded_optimizer_here, pp, args=(pp, roots), timeout_s=120)
+    for label in roots:
+        saved = torch.load(upstream_trained / "plain" / label / "optimizer_state.pt")
+        expected = {found: value for key, whole in saved["tensors"].items()
+                    for found, value in canonical_state(key, whole).items()}
+        checked = set()
+        for rank_results in results:
+            _, lrs, pieces = next(r for r in rank_results if r[0] == label)
+            assert lrs == [pytest.approx(saved["lr"], rel=1e-12)], label
+            for name, start, end, values, step in pieces:
+                assert step == STEPS, (label, name)
+                for state in ("exp_avg", "exp_avg_sq"):
+                    reference = expected[(state, name)].reshape(-1)[start:end]
+                    assert torch.equal(torch.from_numpy(values[state]), reference), (
+                        label, state, name)
+                    checked.add((state, name))
+        assert checked == set(expected), sorted(set(expected) - checked)[:5]
 
 
 @pytest.mark.parametrize("pp,dp,distributed", [(1, 1, False), (2, 2, True)])

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.grad_scaler import default_device
 from megatron.core.optimizer.optimizer import MainParamPiece, MegatronOptimizer
 
@@ -167,6 +168,18 @@ class ChainedOptimizer(MegatronOptimizer):
     def reload_model_params(self) -> None:
         for member in self.chained_optimizers:
             member.reload_model_params()
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           **kwargs):
+        """The member's own with one member; else each member's by position, its keys under
+        ``chained_<position>.`` as upstream's."""
+        members = [member.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+                   for member in self.chained_optimizers]
+        if len(members) == 1:
+            return members[0]
+        for position, member in enumerate(members):
+            add_prefix_for_sharding(member, f"chained_{position}.")
+        return dict(enumerate(members))
 
     def state_dict(self) -> list[dict]:
         return [member.state_dict() for member in self.chained_optimizers]

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.distributed.collective_group import (
     CollectiveGroup,
     resolve_group,
@@ -236,6 +237,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if instances > 1:  # (absent from signatures saved before instances existed)
             signature["instances"] = instances
         return signature
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           **kwargs) -> dict:
+        raise CheckpointingException(
+            "DistributedOptimizer.sharded_state_dict is not available here; save a training "
+            "run's distributed-optimizer state with pretrain_gpt.py --ckpt-format torch_dist "
+            "(upstream's fully_sharded_model_space layout)")
 
     def state_dict(self) -> dict:
         """This rank's optimizer state: its shards' state and fp32 main parameters.

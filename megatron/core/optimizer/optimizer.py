@@ -32,6 +32,9 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.flat_adam import FlatAdamW, MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.sharded_state import (
+    optimizer_sharded_state_dict, restore_common_step,
+)
 from megatron.core.optimizer.param_attributes import (
     copy_grad_stats_attributes,
     counts_toward_grad_stats,
@@ -229,6 +232,12 @@ class MegatronOptimizer(ABC):
     def state_dict(self) -> dict:
         ...
 
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           **kwargs) -> dict:
+        """This optimizer's state for ``dist_checkpointing`` (``sharded_state``), placed as the
+        model's tensors are in ``model_sharded_state_dict``."""
+        return optimizer_sharded_state_dict(self, model_sharded_state_dict, is_loading)
+
     @abstractmethod
     def load_state_dict(self, state_dict: dict) -> None:
         ...
@@ -287,7 +296,7 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(restore_common_step(state_dict))
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
@@ -474,7 +483,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(restore_common_step(state_dict["optimizer"]))
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         saved_groups = state_dict["fp32_from_fp16_params"]

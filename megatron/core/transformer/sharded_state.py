@@ -9,7 +9,8 @@ partition dimension; a gated MLP's fc1, whose rank holds matching slices of both
 ``[gate; up]``, becomes two chunks of one key (a ``ShardedTensorFactory``). Replicas follow
 upstream's numbering ``(pipeline copy, tensor-parallel rank, data-parallel rank)``, all zero on
 the one that writes; the last stage's copy of tied embeddings is the first stage's key with
-pipeline copy 1. Linear layers' extra state (None here, as in upstream's local layers) is a
+pipeline copy 1. The entries hold the parameters themselves (optimizers find their
+parameters' places by identity). Linear layers' extra state (None here, as in upstream's local layers) is a
 sharded object per layer. The entries are keyed by the module's own ``state_dict()`` keys, so
 ``module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), path))`` loads.
 """
@@ -65,7 +66,7 @@ def _gated_halves(key: str, tensor: torch.Tensor, layer_offsets, tp: tuple[int, 
     axis = dim + len(layer_offsets)
 
     def build(key, data, replica_id, flattened_range):
-        gate, up = torch.chunk(data, 2, dim=dim)
+        gate, up = torch.chunk(data.detach(), 2, dim=dim)
         return {"gate": ShardedTensor.from_rank_offsets(
                     key, gate, *layer_offsets, (axis, rank, 2 * size), replica_id=replica_id,
                     prepend_axis_num=len(layer_offsets)),
@@ -103,7 +104,6 @@ def module_sharded_state_dict(module: torch.nn.Module, prefix: str = "",
             continue
         split = getattr(tensor, "tensor_model_parallel", False) and tp_size > 1
         dim, stride = getattr(tensor, "partition_dim", 0), getattr(tensor, "partition_stride", 1)
-        tensor = tensor.detach()
         name, layer_offsets = _placed(key, blocks)
         offsets = tuple(sharded_offsets) + layer_offsets
         prepend = len(offsets)
