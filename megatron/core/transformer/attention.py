@@ -1,4 +1,5 @@
-"""Self-attention: fused QKV projection, rotary embedding, core attention, output projection.
+"""Attention: self-attention (fused QKV projection) and cross-attention (query of the sequence,
+keys and values of a context), then rotary embedding, core attention, output projection.
 
 The QKV projection's output is laid out per key/value group, ``[ng, (np/ng + 2) * hn]``: each
 group's query heads, then its key head, then its value head (megatron-core's layout, so
@@ -13,6 +14,7 @@ data-parallel ranks (upstream's ``run_realtime_tests``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -41,8 +43,10 @@ class SelfAttentionSubmodules:
     k_layernorm: Optional[Callable] = None
 
 
-class SelfAttention(MegatronModule):
-    """Attention of a sequence over itself; input and output ``[s, b, h]``.
+class Attention(MegatronModule, ABC):
+    """What self- and cross-attention share: sizes, the output projection, the core attention
+    and the forward pass; subclasses build the input projections (``_build_projections``) and
+    split their output into query, key and value (``get_query_key_value_tensors``).
 
     ``forward`` returns ``(output, bias)``: the output projection skips its bias add so the
     layer can fuse it with dropout and the residual add. ``layer_number`` is the 1-based
@@ -50,20 +54,14 @@ class SelfAttention(MegatronModule):
     recomputed in backward instead of keeping its activations.
     """
 
-    def __init__(
-        self,
-        config,
-        submodules: SelfAttentionSubmodules,
-        layer_number: int,
-        attn_mask_type: AttnMaskType = AttnMaskType.causal,
-        *,
-        tp_group: Any = None,
-    ) -> None:
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, *, tp_group: Any = None) -> None:
         super().__init__(config=config)
         self.tp_group = checked_tp_group(config, tp_group)
         tp = config.tensor_model_parallel_size
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
         self.hidden_size_per_attention_head = config.kv_channels
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = config.num_query_groups // tp
@@ -71,7 +69,7 @@ class SelfAttention(MegatronModule):
         self.kv_projection_size = config.kv_channels * config.num_query_groups
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
-        # Upstream builds (and so initialises) the output projection before the QKV one;
+        # Upstream builds (and so initialises) the output projection before the input ones;
         # registering it after keeps this tree's parameter order.
         linear_proj = submodules.linear_proj(
             self.query_projection_size,
@@ -85,29 +83,84 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,
         )
-        self.linear_qkv = submodules.linear_qkv(
-            config.hidden_size,
-            self.query_projection_size + 2 * self.kv_projection_size,
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=config.add_bias_linear or config.add_qkv_bias,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_comm_buffer_name="qkv",
-            tp_group=self.tp_group,
-        )
-        self.q_layernorm = self._head_norm(submodules.q_layernorm)
-        self.k_layernorm = self._head_norm(submodules.k_layernorm)
+        self._build_projections(submodules)
         self.core_attention = submodules.core_attention(
             config=config,
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
-            attention_type="self",
+            attention_type=attention_type,
             softmax_scale=config.softmax_scale,
             tp_group=self.tp_group,
         )
         self.linear_proj = linear_proj
+
+    @abstractmethod
+    def _build_projections(self, submodules) -> None:
+        """Build and register the input projections (and any norms) from ``submodules``."""
+
+    @abstractmethod
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states=None):
+        """Query ``[s, b, np, hn]``, key and value ``[sk, b, ng, hn]``."""
+
+    def _column_parallel(self, build: Callable, output_size: int, name: str):
+        config = self.config
+        return build(config.hidden_size, output_size, config=config,
+                     init_method=config.init_method, gather_output=False,
+                     bias=config.add_bias_linear or config.add_qkv_bias, skip_bias_add=False,
+                     is_expert=False, tp_comm_buffer_name=name, tp_group=self.tp_group)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                key_value_states=None, inference_params=None, rotary_pos_emb=None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None):
+        """Upstream's signature; ``inference_params``, the precomputed rotary cos/sin, packed
+        sequences and ``sequence_len_offset`` (inference features) must stay None."""
+        reject_given(inference_params=inference_params, rotary_pos_cos=rotary_pos_cos,
+                     rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                     sequence_len_offset=sequence_len_offset)
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            query = apply_rotary_pos_emb(query, q_freqs, config=self.config)
+            key = apply_rotary_pos_emb(key, k_freqs, config=self.config)
+
+        if self.checkpoint_core_attention and self.training:
+            context = checkpoint(
+                self._core_attention, False, query, key, value, attention_mask, attention_bias
+            )
+        else:
+            context = self._core_attention(query, key, value, attention_mask, attention_bias)
+        return self.linear_proj(context)
+
+    def _core_attention(self, query, key, value, attention_mask, attention_bias):
+        return self.core_attention(
+            query, key, value, attention_mask,
+            attn_mask_type=self.attn_mask_type, attention_bias=attention_bias,
+        )
+
+
+class SelfAttention(Attention):
+    """Attention of a sequence over itself; input and output ``[s, b, h]``."""
+
+    def __init__(
+        self,
+        config,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        *,
+        tp_group: Any = None,
+    ) -> None:
+        super().__init__(config, submodules, layer_number, attn_mask_type, "self",
+                         tp_group=tp_group)
+
+    def _build_projections(self, submodules: SelfAttentionSubmodules) -> None:
+        self.linear_qkv = self._column_parallel(
+            submodules.linear_qkv, self.query_projection_size + 2 * self.kv_projection_size, "qkv")
+        self.q_layernorm = self._head_norm(submodules.q_layernorm)
+        self.k_layernorm = self._head_norm(submodules.k_layernorm)
 
     def _head_norm(self, build: Optional[Callable]) -> Optional[torch.nn.Module]:
         if build is None:
@@ -159,33 +212,52 @@ class SelfAttention(MegatronModule):
             )
         check_identical_across_ranks(norms, self.tp_group, "tensor-parallel")
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                key_value_states=None, inference_params=None, rotary_pos_emb=None,
-                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
-                packed_seq_params=None, sequence_len_offset=None):
-        """Upstream's signature; ``inference_params``, the precomputed rotary cos/sin, packed
-        sequences and ``sequence_len_offset`` (inference features) must stay None."""
-        reject_given(inference_params=inference_params, rotary_pos_cos=rotary_pos_cos,
-                     rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                     sequence_len_offset=sequence_len_offset)
-        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
-        if rotary_pos_emb is not None:
-            q_freqs, k_freqs = (
-                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            )
-            query = apply_rotary_pos_emb(query, q_freqs, config=self.config)
-            key = apply_rotary_pos_emb(key, k_freqs, config=self.config)
 
-        if self.checkpoint_core_attention and self.training:
-            context = checkpoint(
-                self._core_attention, False, query, key, value, attention_mask, attention_bias
-            )
-        else:
-            context = self._core_attention(query, key, value, attention_mask, attention_bias)
-        return self.linear_proj(context)
+@dataclass
+class CrossAttentionSubmodules:
+    """Constructors of cross-attention's parts: the query projection of the sequence, the
+    key/value projection of the context, the core attention and the output projection."""
 
-    def _core_attention(self, query, key, value, attention_mask, attention_bias):
-        return self.core_attention(
-            query, key, value, attention_mask,
-            attn_mask_type=self.attn_mask_type, attention_bias=attention_bias,
-        )
+    linear_q: Optional[Callable] = None
+    linear_kv: Optional[Callable] = None
+    core_attention: Optional[Callable] = None
+    linear_proj: Optional[Callable] = None
+
+
+class CrossAttention(Attention):
+    """Attention of a sequence ``[s, b, h]`` over a context ``key_value_states`` ``[sk, b, h]``
+    (an encoder's output); every query head has its own key/value head, as upstream requires."""
+
+    def __init__(
+        self,
+        config,
+        submodules: CrossAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        *,
+        tp_group: Any = None,
+    ) -> None:
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError("CrossAttention: num_query_groups must equal num_attention_heads "
+                             "(grouped-query attention is self-attention only)")
+        super().__init__(config, submodules, layer_number, attn_mask_type, "cross",
+                         tp_group=tp_group)
+
+    def _build_projections(self, submodules: CrossAttentionSubmodules) -> None:
+        self.linear_q = self._column_parallel(submodules.linear_q, self.query_projection_size,
+                                              "q")
+        self.linear_kv = self._column_parallel(submodules.linear_kv,
+                                               2 * self.kv_projection_size, "kv")
+
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states=None):
+        """Query ``[s, b, np, hn]`` of ``hidden_states``, key and value ``[sk, b, np, hn]`` of
+        ``key_value_states``."""
+        if key_value_states is None:
+            raise ValueError("CrossAttention needs key_value_states (the context to attend to)")
+        head_dim = self.hidden_size_per_attention_head
+        heads = self.num_attention_heads_per_partition
+        mixed, _ = self.linear_kv(key_value_states)
+        mixed = mixed.view(*mixed.shape[:-1], heads, 2 * head_dim)
+        key, value = torch.split(mixed, [head_dim, head_dim], dim=-1)
+        query, _ = self.linear_q(hidden_states)
+        return query.view(*query.shape[:-1], heads, head_dim), key, value

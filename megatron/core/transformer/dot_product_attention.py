@@ -77,8 +77,9 @@ class DotProductAttention(MegatronModule):
         super().__init__(config=config)
         if cp_comm_type is not None:
             raise ValueError("cp_comm_type is not supported: context parallelism is not implemented")
-        if attention_type != "self":
-            raise ValueError(f"attention_type={attention_type!r} is not supported; only 'self'")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"attention_type={attention_type!r} is not supported; 'self' or "
+                             f"'cross'")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_backend = config.attention_backend
