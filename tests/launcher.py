@@ -1,7 +1,8 @@
 """Run a function on N gloo (or NCCL) ranks in fresh processes, with a hard deadline.
 
 Every rank is a process the test started (forked by multiprocessing's fork server, a child
-of the test); the launcher only ever signals the pids it started. A rank that raises reports
+of the test); the launcher only ever signals the pids it started (and, for scripts run as
+``ForkedPython``, the process group each of them leads). A rank that raises reports
 its traceback; a rank that is still running at the deadline dumps its Python stack
 (faulthandler) before it is killed, so a hang becomes a test failure that shows where each
 rank was stuck.
@@ -18,6 +19,7 @@ import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -259,7 +261,6 @@ def run_torchrun(script: str, nproc: int, *, args: Sequence[str] = (), timeout_s
     torchrun and its workers run in a session of their own, so on timeout the whole session
     (our child and its descendants, nothing else) is killed and the output so far reported.
     """
-    import signal
     import subprocess
     import sys
 
@@ -384,6 +385,7 @@ def _python_main(argv: list[str], env: dict[str, str], cwd: str, log_path: str) 
     import atexit
     import runpy
 
+    os.setsid()  # its own session and process group, whose id is its pid (ForkedPython)
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -420,7 +422,12 @@ def _python_main(argv: list[str], env: dict[str, str], cwd: str, log_path: str) 
 class ForkedPython:
     """``python ARGV`` with ``env`` in ``cwd``, output to ``log_path``, but forked from the rank
     server that imported torch once (see ``_rank_context``) instead of a new interpreter: the
-    same program seconds sooner. The Popen methods the launchers use: pid, poll, kill, wait."""
+    same program seconds sooner. The Popen methods the launchers use: pid, poll, kill, wait.
+
+    The program runs in a process group of its own (id: its pid). Once it has ended, or when
+    it is killed, whatever it started and left running there is killed too: a rank that leaves
+    with ``os._exit`` skips the shutdown of its multiprocessing children (upstream's checkpoint
+    writer starts a manager process), which would otherwise outlive every test."""
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str], cwd: str | None = None,
                  log_path: str) -> None:
@@ -428,16 +435,30 @@ class ForkedPython:
             target=_python_main, args=(list(argv), dict(env), cwd or os.getcwd(), log_path))
         self._process.start()
         self.pid = self._process.pid
+        self._group_ended = False
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        exitcode = self._process.exitcode
+        if exitcode is not None:
+            self._end_group()
+        return exitcode
 
     def kill(self) -> None:
+        self._end_group()
         self._process.kill()
 
     def wait(self, timeout: float | None = None) -> int | None:
         self._process.join(timeout)
-        return self._process.exitcode
+        return self.poll()
+
+    def _end_group(self) -> None:
+        if self._group_ended:
+            return
+        self._group_ended = True
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nothing left in it
+            pass
 
 
 @dataclass
