@@ -9,9 +9,9 @@ partition dimension; a gated MLP's fc1, whose rank holds matching slices of both
 ``[gate; up]``, becomes two chunks of one key (a ``ShardedTensorFactory``). Replicas follow
 upstream's numbering ``(pipeline copy, tensor-parallel rank, data-parallel rank)``, all zero on
 the one that writes; the last stage's copy of tied embeddings is the first stage's key with
-pipeline copy 1. The entries hold the parameters themselves (optimizers find their
-parameters' places by identity). Linear layers' extra state (None here, as in upstream's local layers) is a
-sharded object per layer. The entries are keyed by the module's own ``state_dict()`` keys, so
+pipeline copy 1. Linear layers' extra state (None here, as in upstream's local layers) is a
+sharded object per layer. The entries hold the parameters themselves (optimizers find their
+parameters' places by identity) and are keyed by the module's own ``state_dict()`` keys, so
 ``module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), path))`` loads.
 """
 
