@@ -30,7 +30,9 @@ TE_ATTENTION = "self_attention.core_attention"
 _COLUMN_PARALLEL_IN_LAYER = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                              "mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 _ROW_PARALLEL_IN_LAYER = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+# Tensors whose first dimension is the (padded) vocabulary.
+VOCAB_PARALLEL = (WORD_EMBEDDINGS, "output_layer.weight")
 
 
 def split_layer(name: str) -> Optional[tuple[int, str]]:
@@ -81,7 +83,7 @@ def tp_partition(name: str, gated_mlp: bool) -> Optional[tuple[int, int]]:
     A gated MLP's fc1 is ``[gate; up]`` and each rank holds matching slices of both halves,
     hence stride 2.
     """
-    if name in _VOCAB_PARALLEL:
+    if name in VOCAB_PARALLEL:
         return 0, 1
     layer = split_layer(name)
     if layer is None:

@@ -32,13 +32,13 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.flat_adam import FlatAdamW, MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.sharded_state import (
-    optimizer_sharded_state_dict, restore_common_step,
-)
 from megatron.core.optimizer.param_attributes import (
     copy_grad_stats_attributes,
     counts_toward_grad_stats,
     resolve_tensor_parallel_rank,
+)
+from megatron.core.optimizer.sharded_state import (
+    optimizer_sharded_state_dict, restore_common_step,
 )
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)

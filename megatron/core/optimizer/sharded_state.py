@@ -8,9 +8,9 @@ the fp32 main copy of an fp16/bf16 parameter under ``optimizer.state.fp32_param.
 The step, which megatron-core requires to be one for all parameters, is kept once as the
 state's ``common_step`` (``restore_common_step`` gives it back to each parameter on load); the
 hyperparameters stay in the common part; the parameter groups' indices are this process's own
-numbering and are never written. Parameters are matched to the model's
-entries by identity, so the model's sharded state dict must hold its parameters themselves
-(as ``MegatronModule.sharded_state_dict`` does).
+numbering and are never written. Parameters are matched to the model's entries by identity,
+so the model's sharded state dict must hold its parameters themselves (as
+``MegatronModule.sharded_state_dict`` does).
 """
 
 from __future__ import annotations

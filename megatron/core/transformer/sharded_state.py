@@ -25,10 +25,11 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject, ShardedTensor, ShardedTensorFactory,
 )
-from megatron.core.dist_checkpointing.upstream_names import EXTRA_STATE, LAYER_PREFIX, to_te
+from megatron.core.dist_checkpointing.upstream_names import (
+    EXTRA_STATE, LAYER_PREFIX, VOCAB_PARALLEL, WORD_EMBEDDINGS, to_te,
+)
 
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
-_PADDED_VOCABULARY = (WORD_EMBEDDINGS, "output_layer.weight", "output_layer.bias")
+_PADDED_VOCABULARY = (*VOCAB_PARALLEL, "output_layer.bias")
 
 
 def _ranks() -> tuple[int, int, int]:

@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.ranks import from_every_rank
 from megatron.core.dist_checkpointing.strategies import dcp_save
-from megatron.core.dist_checkpointing.upstream_names import to_local
+from megatron.core.dist_checkpointing.upstream_names import WORD_EMBEDDINGS, to_local
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.checkpoint import dist_optimizer_common, upstream_dist
 from megatron.training.checkpoint.model_tensors import join_shards, model_tensors, to_host, unwrap
@@ -47,8 +47,6 @@ from megatron.training.checkpoint.rng_state import rng_state_list
 from megatron.training.checkpoint.sharded_objects import RERUN_STATE, RNG_STATE, add_object
 from megatron.training.checkpoint.source import OPTIMIZER_PREFIX, split_optimizer_key
 from megatron.training.flops import num_floating_point_operations
-
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 def _shared_step(steps: set[float]) -> Optional[float]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.dist_checkpointing.upstream_names import to_local
+from megatron.core.dist_checkpointing.upstream_names import VOCAB_PARALLEL, to_local
 from megatron.training.checkpoint.model_tensors import (
-    VOCAB_PARALLEL, join_shape, join_shards, model_tensors, my_shard,
+    join_shape, join_shards, model_tensors, my_shard,
 )
 from megatron.training.checkpoint.source import CheckpointFormatError, CheckpointSource
 

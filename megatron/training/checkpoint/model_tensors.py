@@ -12,9 +12,6 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-# Tensors whose first dimension is the (padded) vocabulary.
-VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
-
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):

@@ -28,12 +28,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.ranks import from_every_rank
-from megatron.core.dist_checkpointing.upstream_names import to_local
+from megatron.core.dist_checkpointing.upstream_names import VOCAB_PARALLEL, to_local
 from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer import MainParamPiece
 from megatron.core.optimizer_param_scheduler import ScheduleMismatchError
 from megatron.training.checkpoint.model_tensors import (
-    VOCAB_PARALLEL,
     assemble_shards,
     is_tp_sharded,
     join_shape,
