@@ -54,6 +54,9 @@ sys.path.insert(0, str(TOOLS))
 import launch_nccl_ranks  # noqa: E402  (a script beside this one, not a package)
 
 THIS_TREE = TOOLS.parent
+# Holds te_absent.py, the pytest plugin given to both runs when Transformer Engine is missing.
+SUPPORT_DIR = TOOLS / "upstream_unit_tests_support"
+TE_ABSENT_PLUGIN = "te_absent"
 DEFAULT_SCOPE = TOOLS / "upstream_unit_tests_scope.toml"
 UNIT_DIR = Path("tests") / "unit_tests"
 HARNESS_FAILURE = 2
@@ -198,6 +201,16 @@ def make_layout(upstream_tree: Path, work_dir: Path) -> Path:
     return layout
 
 
+def settings_path(settings: "RunSettings") -> list[Path]:
+    """Folders after the tree on PYTHONPATH: packages upstream needs, then the plugin's."""
+    return [*settings.extra_path, *([SUPPORT_DIR] if settings.te_absent else [])]
+
+
+def transformer_engine_absent(python: str, layout: Path, env: dict[str, str]) -> bool:
+    found = probe_imports(python, layout, env, ["transformer_engine"])
+    return not found.get("transformer_engine")
+
+
 def tree_environment(tree: Path, extra_path: Sequence[Path] = ()) -> dict[str, str]:
     """What a run against ``tree`` changes in the environment: ``PYTHONPATH`` is the tree, then
     folders of packages upstream needs and the interpreter lacks."""
@@ -281,11 +294,14 @@ class RunSettings:
     file_timeout_s: float
     grace_s: float
     echo: bool
+    te_absent: bool = False  # load SUPPORT_DIR's te_absent plugin in both runs
 
 
 def pytest_command(settings: RunSettings, files: Sequence[str]) -> list[str]:
     command = [settings.python, "-m", "pytest", "-p", "no:cacheprovider",
                "-o", "junit_family=xunit1", "--continue-on-collection-errors", "-rN"]
+    if settings.te_absent:
+        command += ["-p", TE_ABSENT_PLUGIN]
     if settings.markers:
         command += ["-m", settings.markers]
     return command + [(UNIT_DIR / f).as_posix() for f in files] + settings.extra_args
@@ -488,7 +504,7 @@ def run_tree(label: str, tree: Path, files: Sequence[str], layout: Path, work_di
     The reference run (upstream's) must give results: when pytest cannot start there, or no
     session gives junit XML, the comparison cannot be made. For this tree, the same is a
     result: every file then has none, and says why."""
-    env = tree_environment(tree, settings.extra_path)
+    env = tree_environment(tree, settings_path(settings))
     check_imports(settings.python, layout, env, tree)
     result = RunResult()
     progress(f"{label}: {_files(len(files))}, world size {settings.world_size} ...")
@@ -662,6 +678,9 @@ def format_report(upstream_tree: Path, settings: RunSettings, selection: Selecti
     head = (f"upstream unit tests of {upstream_tree} against {THIS_TREE}, world size "
             f"{settings.world_size}: {_files(len(selection.run))} run, "
             f"{len(selection.out_of_scope)} out of scope")
+    if settings.te_absent:
+        head += ("; Transformer Engine absent (its tests fail or skip in both runs; the "
+                 "conftest's TE version check answers False)")
     return "\n".join([head, "", *format_files(reports), *format_warnings(reports), "",
                       *format_not_run(selection)]) + "\n"
 
@@ -724,6 +743,12 @@ def compatibility_report(args: argparse.Namespace, work_dir: Path) -> str:
                            scope.markers, args.extra, args.timeout_seconds,
                            args.file_timeout_seconds, args.grace_seconds, args.echo)
     layout = make_layout(tree, work_dir)
+    settings.te_absent = transformer_engine_absent(settings.python, layout,
+                                                   tree_environment(tree, settings.extra_path))
+    if settings.te_absent:
+        progress("transformer_engine cannot be imported: both runs load "
+                 f"{SUPPORT_DIR.name}/{TE_ABSENT_PLUGIN}.py, so upstream's conftest's TE "
+                 "version check answers False")
     upstream = run_tree("upstream", tree, selection.run, layout, work_dir, settings,
                         reference=True)
     here = run_tree("here", THIS_TREE, selection.run, layout, work_dir, settings,

@@ -5,8 +5,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.transformer.module import Float16Module
 # Upstream's place of the data-source helper.
 from megatron.training.data_sources import get_blend_and_blend_per_split  # noqa: F401
+
+
+# The wrappers unwrap_model takes off by default: this tree's DDP and mixed-precision wrapper,
+# and torch's DDP.
+ALL_MODULE_WRAPPER_CLASSNAMES = (DistributedDataParallel, Float16Module,
+                                 torch.nn.parallel.DistributedDataParallel)
+
+
+def unwrap_model(model, module_instances=ALL_MODULE_WRAPPER_CLASSNAMES):
+    """The module inside the wrappers of ``model``, or a list of them for a list of chunks."""
+    chunks = model if isinstance(model, list) else [model]
+    inner = []
+    for chunk in chunks:
+        while isinstance(chunk, module_instances):
+            chunk = chunk.module
+        inner.append(chunk)
+    return inner if isinstance(model, list) else inner[0]
 
 
 def collective_device(group=None) -> torch.device:
