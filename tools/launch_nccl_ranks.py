@@ -121,6 +121,12 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this process as an exception does, so that the ranks it started are
+    killed on the way out instead of being left running."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def launch(command: Sequence[str], nproc: int, *, as_nodes: bool = False,
            timeout_s: float = 600.0, grace_s: float = 30.0, log_dir: Optional[str] = None,
            echo: bool = True, extra_env: Optional[dict[str, str]] = None,
@@ -168,13 +174,18 @@ def _launch_once(command, nproc, port, store_env, as_nodes, timeout_s, grace_s, 
 
     deadline = start + timeout_s
     finished: dict[int, float] = {}
-    while len(finished) < nproc and time.monotonic() < deadline:
-        for rank, proc in enumerate(procs):
-            if rank not in finished and proc.poll() is not None:
-                finished[rank] = time.monotonic() - start
-                if proc.returncode != 0:
-                    deadline = min(deadline, time.monotonic() + grace_s)
-        time.sleep(0.05)
+    try:
+        while len(finished) < nproc and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                if rank not in finished and proc.poll() is not None:
+                    finished[rank] = time.monotonic() - start
+                    if proc.returncode != 0:
+                        deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C, SIGTERM (exit_on_sigterm): no rank outlives the launcher
+        for proc in procs:
+            _kill(proc)
+        raise
     outcomes = []
     for rank, proc in enumerate(procs):
         if rank not in finished:
@@ -210,6 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")

@@ -347,14 +347,14 @@ def _run_one_process(command, files, layout, env, session_dir, timeout_s, echo) 
 
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> Optional[int]:
     """The exit status, or None after killing the process's session at the deadline (or on
-    Ctrl-C, which is passed on)."""
+    Ctrl-C or SIGTERM, which are passed on)."""
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         launch_nccl_ranks._kill(proc)
         proc.wait(timeout=60)
         return None
-    except KeyboardInterrupt:
+    except BaseException:
         launch_nccl_ranks._kill(proc)
         raise
 
@@ -758,6 +758,7 @@ def compatibility_report(args: argparse.Namespace, work_dir: Path) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    launch_nccl_ranks.exit_on_sigterm()
     keep = args.work_dir is not None
     if keep:
         args.work_dir.mkdir(parents=True, exist_ok=True)

@@ -19,13 +19,22 @@ from typing import Optional, Sequence
 logger = logging.getLogger(__name__)
 
 
+class BatchSizeError(ValueError, AssertionError):
+    """Batch sizes that do not fit together. Also an AssertionError, the type upstream's
+    calculator raises, so callers written against upstream catch it."""
+
+
+class CalculatorStateError(RuntimeError, AssertionError):
+    """The process-wide calculator used out of order (AssertionError too, as upstream)."""
+
+
 class NumMicroBatchesCalculator:
     """The batch sizes and microbatch count of the current iteration."""
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
                  decrease_batch_size_if_needed: bool, rank: int) -> None:
         if global_batch_size < 1 or micro_batch_size < 1 or data_parallel_size < 1:
-            raise ValueError(f"global batch size {global_batch_size}, micro batch size "
+            raise BatchSizeError(f"global batch size {global_batch_size}, micro batch size "
                              f"{micro_batch_size} and data-parallel size {data_parallel_size} "
                              f"must all be >= 1")
         self.global_batch_size = global_batch_size
@@ -38,7 +47,7 @@ class NumMicroBatchesCalculator:
         self.current_running_global_batch_size: Optional[int] = None
 
     @property
-    def samples_per_microbatch_step(self) -> int:
+    def micro_batch_times_data_parallel_size(self) -> int:
         """Samples one microbatch step consumes across the data-parallel ranks."""
         return self.micro_batch_size * self.data_parallel_size
 
@@ -63,18 +72,18 @@ class NumMicroBatchesCalculator:
         """Set the batch sizes and microbatch count for the next iteration."""
         previous = self.current_global_batch_size
         batch = self.batch_size_at(consumed_samples)
-        step = self.samples_per_microbatch_step
+        step = self.micro_batch_times_data_parallel_size
         running = batch
         if batch % step:
             if self.decrease_batch_size_if_needed:
                 running = batch // step * step
             elif consistency_check:
-                raise ValueError(
+                raise BatchSizeError(
                     f"global batch size {batch} is not a multiple of micro batch size "
                     f"{self.micro_batch_size} x data-parallel size {self.data_parallel_size} = "
                     f"{step} (--decrease-batch-size-if-needed rounds it down instead)")
         if running < step:
-            raise ValueError(f"global batch size {batch} is smaller than one microbatch step "
+            raise BatchSizeError(f"global batch size {batch} is smaller than one microbatch step "
                              f"(micro batch size x data-parallel size = {step})")
         self.current_global_batch_size = batch
         self.current_running_global_batch_size = running
@@ -105,12 +114,12 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         super().__init__(global_batch_size, micro_batch_size, data_parallel_size,
                          decrease_batch_size_if_needed, rank)
         if start_global_batch_size < 1 or batch_size_increment < 1 or ramup_samples < 0:
-            raise ValueError(f"batch size ramp-up {start_global_batch_size} "
+            raise BatchSizeError(f"batch size ramp-up {start_global_batch_size} "
                              f"{batch_size_increment} {ramup_samples}: the batch sizes must be "
                              f">= 1 and the samples >= 0")
         growth = global_batch_size - start_global_batch_size
         if growth < 0 or growth % batch_size_increment:
-            raise ValueError(
+            raise BatchSizeError(
                 f"the batch size ramps from {start_global_batch_size} to the global batch size "
                 f"{global_batch_size} in steps of {batch_size_increment}: the difference must "
                 f"be a non-negative multiple of the step")
@@ -139,7 +148,7 @@ def build_num_microbatches_calculator(
                                                  data_parallel_size,
                                                  decrease_batch_size_if_needed, rank)
     if len(rampup_batch_size) != 3:
-        raise ValueError(f"rampup_batch_size takes [start batch size, increment, ramp-up "
+        raise BatchSizeError(f"rampup_batch_size takes [start batch size, increment, ramp-up "
                          f"samples], got {list(rampup_batch_size)}")
     start, increment, samples = (int(value) for value in rampup_batch_size)
     return RampupBatchsizeNumMicroBatchesCalculator(
@@ -147,12 +156,15 @@ def build_num_microbatches_calculator(
         rank, start, increment, samples)
 
 
+# Upstream's name for it.
+_build_num_microbatches_calculator = build_num_microbatches_calculator
+
 _GLOBAL_NUM_MICROBATCHES_CALCULATOR: Optional[NumMicroBatchesCalculator] = None
 
 
 def _calculator() -> NumMicroBatchesCalculator:
     if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
-        raise RuntimeError("the microbatch calculator is not initialised; call "
+        raise CalculatorStateError("the microbatch calculator is not initialised; call "
                            "init_num_microbatches_calculator first")
     return _GLOBAL_NUM_MICROBATCHES_CALCULATOR
 
@@ -163,7 +175,7 @@ def init_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[Sequ
                                      decrease_batch_size_if_needed: bool = False) -> None:
     """Install the process-wide calculator (once; ``reconfigure_...`` replaces it)."""
     if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
-        raise RuntimeError("the microbatch calculator is already initialised")
+        raise CalculatorStateError("the microbatch calculator is already initialised")
     reconfigure_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size,
                                             micro_batch_size, data_parallel_size,
                                             decrease_batch_size_if_needed)

@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     load_sharded_metadata,
 )
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -340,8 +341,35 @@ def test_strategies_by_name_instance_and_registry(tmp_path):
         assert torch.equal(dc.load_plain_tensors(directory)["f"], torch.arange(4.0) + step)
     with pytest.raises(CheckpointingException, match="no default strategy"):
         get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 2)
-    with pytest.raises(CheckpointingException, match="async_sharded_save is not supported"):
-        dc.save(state, tmp_path / "unused", async_sharded_save=True)
+
+
+def test_async_save_writes_the_values_of_the_call_and_completes_when_finalized(tmp_path):
+    weight = torch.arange(6.0).view(2, 3)
+    state = {"w": ShardedTensor.from_rank_offsets("w", weight),
+             "o": ShardedObject("o", {"epoch": 3}, (1,), (0,)), "plain": 7}
+    request = dc.save(state, tmp_path, async_sharded_save=True)
+    weight.add_(100.0)  # training goes on: the checkpoint keeps the values of the call
+    assert not (tmp_path / "metadata.json").exists()
+    queue = AsyncCallsQueue()
+    index = queue.schedule_async_request(request)
+    with pytest.raises(CheckpointingException, match="scheduled"):
+        request.freeze().add_finalize_fn(lambda: None)
+    assert queue.maybe_finalize_async_calls(blocking=True) == [index]
+    assert queue.get_num_unfinalized_calls() == 0
+    loaded = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3)),
+                      "o": ShardedObject("o", None, (1,), (0,))}, tmp_path)
+    assert torch.equal(loaded["w"], torch.arange(6.0).view(2, 3))
+    assert loaded["o"] == {"epoch": 3} and loaded["plain"] == 7
+
+
+def test_a_failed_background_write_is_an_error_when_finalized(tmp_path):
+    def fail():
+        raise OSError("disk full")
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(fail, (), [lambda: pytest.fail("finalized")]))
+    with pytest.raises(CheckpointingException, match="write 0 failed: disk full"):
+        queue.maybe_finalize_async_calls(blocking=True)
 
 
 def test_removing_a_key_deletes_the_files_only_it_used(tmp_path):

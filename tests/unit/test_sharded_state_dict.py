@@ -121,6 +121,16 @@ def _step(wrapped, optimizer, seed: int) -> float:
     return float(loss.detach())
 
 
+def _load_into(wrapped, optimizer, path) -> None:
+    """Model and optimizer state from the checkpoint at ``path``."""
+    model_state = wrapped.sharded_state_dict()
+    state = dc.load({"model": model_state,
+                     "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True)},
+                    path)
+    wrapped.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_optimizer_state_round_trip(bf16, tmp_path):
     saved, saved_optimizer = _trained(bf16, steps=2, seed=1)
@@ -137,13 +147,7 @@ def test_optimizer_state_round_trip(bf16, tmp_path):
     dc.save({"model": model_state, "optimizer": sharded}, tmp_path)
 
     loaded, loaded_optimizer = _trained(bf16, steps=0, seed=2)
-    model_state = loaded.sharded_state_dict()
-    state = dc.load({"model": model_state,
-                     "optimizer": loaded_optimizer.sharded_state_dict(model_state,
-                                                                      is_loading=True)},
-                    tmp_path)
-    loaded.load_state_dict(state["model"])
-    loaded_optimizer.load_state_dict(state["optimizer"])
+    _load_into(loaded, loaded_optimizer, tmp_path)
     for ours, theirs in zip(loaded_optimizer.main_param_pieces(),
                             saved_optimizer.main_param_pieces()):
         assert torch.equal(ours.main, theirs.main)
@@ -151,3 +155,59 @@ def test_optimizer_state_round_trip(bf16, tmp_path):
             assert torch.equal(loaded_optimizer.optimizer.state[ours.main][kind],
                                saved_optimizer.optimizer.state[theirs.main][kind]), kind
     assert _step(loaded, loaded_optimizer, 5) == _step(saved, saved_optimizer, 5)
+
+
+def _trained_distributed(steps: int, seed: int, bf16: bool = True):
+    """As ``_trained``, with the distributed optimizer (one data-parallel rank)."""
+    config = small_config(**SWIGLU, bf16=bf16)
+    model = _model(seed, bf16=bf16)
+    wrapped = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+        Float16Module(config, model) if bf16 else model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-2, bf16=bf16, weight_decay=0.1, use_distributed_optimizer=True),
+        [wrapped])
+    for step in range(steps):
+        _step(wrapped, optimizer, step)
+    return wrapped, optimizer
+
+
+def _moments(optimizer) -> dict:
+    """Per model parameter (by the model's state-dict position): main copy and moments."""
+    found = {}
+    for piece in optimizer.main_param_pieces():
+        state = optimizer.optimizer.state[piece.main]
+        found[id(piece.param)] = [piece.main.detach().flatten().clone()] + [
+            state[kind].detach().flatten().clone() for kind in ("exp_avg", "exp_avg_sq")]
+    return found
+
+
+def test_distributed_optimizer_state_is_flattened_in_model_space_and_loads_back(tmp_path):
+    saved, saved_optimizer = _trained_distributed(steps=2, seed=1)
+    model_state = saved.sharded_state_dict()
+    sharded = saved_optimizer.sharded_state_dict(model_state)
+    assert sharded["param_state_sharding_type"] == "fully_sharded_model_space"
+    assert all(group["step"] == 2 for group in sharded["optimizer"]["param_groups"])
+    kinds = sharded["param_state"][0]
+    assert set(kinds) == {"fp32_param", "exp_avg", "exp_avg_sq"}
+    assert all(entry.flattened_range is not None for entry in kinds.values())
+    assert kinds["fp32_param"].key.startswith("optimizer.state.fp32_param.")
+    dc.save({"model": model_state, "optimizer": sharded}, tmp_path)
+
+    loaded, loaded_optimizer = _trained_distributed(steps=0, seed=2)
+    _load_into(loaded, loaded_optimizer, tmp_path)
+    ours = list(_moments(loaded_optimizer).values())
+    theirs = list(_moments(saved_optimizer).values())
+    assert len(ours) == len(theirs)
+    for mine, saved_one in zip(ours, theirs):
+        assert all(torch.equal(a, b) for a, b in zip(mine, saved_one))
+    assert _step(loaded, loaded_optimizer, 5) == _step(saved, saved_optimizer, 5)
+
+
+def test_distributed_optimizer_refuses_other_sharding_types():
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    saved, optimizer = _trained_distributed(steps=0, seed=1)
+    with pytest.raises(CheckpointingException, match="dp_zero_gather_scatter"):
+        optimizer.sharded_state_dict(saved.sharded_state_dict(),
+                                     sharding_type="dp_zero_gather_scatter")

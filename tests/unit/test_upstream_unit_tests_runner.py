@@ -24,6 +24,22 @@ SCRIPT = ROOT / "tools" / "upstream_unit_tests.sh"
 FAKE_FILES = {
     "megatron/__init__.py": "UPSTREAM_MARKER = True\n",
     "megatron/upstream_only.py": "VALUE = 1\n",
+    # As upstream's: its version check raises without Transformer Engine.
+    "megatron/core/__init__.py": "",
+    "megatron/core/utils.py": """
+        def is_te_min_version(version, check_equality=True):
+            import transformer_engine
+            return True
+        """,
+    # As upstream's conftest: every test asks for the TE version.
+    "tests/unit_tests/conftest.py": """
+        import pytest
+        from megatron.core.utils import is_te_min_version
+
+        @pytest.fixture(autouse=True)
+        def set_env():
+            is_te_min_version("1.3")
+        """,
     "tests/unit_tests/__init__.py": "",
     # Passes in both trees, except what fails or is skipped in both, or is deselected.
     "tests/unit_tests/test_shared.py": """
@@ -147,6 +163,8 @@ def test_report_against_fake_upstream(tmp_path, world_size):
     out_of_scope = done.stdout[done.stdout.index("out of scope, not run (1 file):"):]
     assert "fake feature: not implemented here:\n    test_out.py" in out_of_scope
     assert "must not run" not in done.stdout + done.stderr
+    if importlib.util.find_spec("transformer_engine") is None:  # upstream's conftest ran
+        assert "Transformer Engine absent" in done.stdout.splitlines()[0]
     check_rank_environments(env_dir, tree, world_size)
 
 

@@ -22,7 +22,6 @@ tensor shared by all samples (they only depend on the length): treat them as rea
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Optional
@@ -34,6 +33,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatr
 from megatron.core.datasets.gpt_indices import build_packed_indices, build_unpacked_document_index
 from megatron.core.datasets.index_cache import IndexCache
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.ltor_masks import get_ltor_masks_and_position_ids
 from megatron.core.datasets.mock_dataset import MockGPTLowLevelDataset
 from megatron.core.datasets.utils import Split, log_single_rank
@@ -73,7 +73,7 @@ def _tokenizer_identity(tokenizer: Any) -> Any:
     return getattr(tokenizer, "unique_identifiers", type(tokenizer).__name__)
 
 
-class GPTDataset(torch.utils.data.Dataset):
+class GPTDataset(MegatronDataset):
     """Samples of the sequences ``indexed_indices`` of ``indexed_dataset`` (one split of it).
 
     ``num_samples`` is the least number of samples wanted; epochs are repeated to reach it
@@ -83,19 +83,15 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(self, indexed_dataset: IndexedDataset, dataset_path: Optional[str],
                  indexed_indices: numpy.ndarray, num_samples: Optional[int],
                  index_split: Split, config: GPTDatasetConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.index_split = index_split
-        self.dataset, self.dataset_path = indexed_dataset, dataset_path
-        self.indices, self.num_samples = indexed_indices, num_samples
+        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples,
+                         index_split, config)
         tokenizer = config.tokenizer
         self._vocab_size = tokenizer.vocab_size if tokenizer is not None else None
         uses_eod = config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss
         self._eod = tokenizer.eod if uses_eod else None
         self._fixed_masks: Optional[tuple] = None
 
-        self.unique_identifiers = self._identity()
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.set_unique_identifiers(self._identity())
         self.built_anew_on_cache_miss = False
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build_indices()
 

@@ -28,9 +28,10 @@ from megatron.core.dist_checkpointing.mapping import (  # noqa: F401 (names upst
     apply_factory_merges,
 )
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
-    LoadCommonStrategy, LoadShardedStrategy, SaveCommonStrategy, SaveShardedStrategy,
-    StrategyAction, get_default_strategy,
+    AsyncSaveShardedStrategy, LoadCommonStrategy, LoadShardedStrategy, SaveCommonStrategy,
+    SaveShardedStrategy, StrategyAction, get_default_strategy,
 )
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from megatron.core.dist_checkpointing.validation import (
@@ -148,7 +149,7 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
          common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
          validate_access_integrity: bool = True, async_sharded_save: bool = False,
          preprocess_common_before_consistancy_check: Optional[
-             Callable[[CommonStateDict], StateDict]] = None) -> None:
+             Callable[[CommonStateDict], StateDict]] = None) -> Optional[AsyncRequest]:
     """Write ``sharded_state_dict`` into the existing, empty ``checkpoint_dir`` (collective):
     factories are built (in place), non-persistent objects dropped, every other non-sharded
     leaf goes to ``common.pt`` (rank 0's), the sharded leaves to the sharded backend (main
@@ -156,12 +157,13 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
 
     ``validate_access_integrity``: first check that every chunk and object cell has exactly
     one main replica, and log where ranks' common parts differ (after
-    ``preprocess_common_before_consistancy_check``). ``async_sharded_save`` is not offered:
-    this tree's training loop saves in the background by itself (``--async-save``).
+    ``preprocess_common_before_consistancy_check``).
+
+    ``async_sharded_save``: return once the save is planned and the tensors copied, with an
+    ``AsyncRequest`` whose background part writes the tensors and whose finalize step
+    (collective) completes the checkpoint; schedule it on an ``AsyncCallsQueue``. The
+    checkpoint is complete (``metadata.json`` written) only after finalization.
     """
-    if async_sharded_save:
-        raise CheckpointingException("async_sharded_save is not supported by this "
-                                     "dist_checkpointing; save synchronously")
     checkpoint_dir = Path(checkpoint_dir)
     _check_destination(checkpoint_dir)
     if sharded_strategy is None:
@@ -173,16 +175,28 @@ def save(sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path],
     elif isinstance(common_strategy, tuple):
         common_strategy = get_default_strategy(StrategyAction.SAVE_COMMON, *common_strategy)
     validate_sharded_objects_handling(sharded_strategy, common_strategy)
+    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+        raise CheckpointingException(f"async_sharded_save: the sharded strategy "
+                                     f"{sharded_strategy} cannot save in the background")
 
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity,
                                       preprocess_common_before_consistancy_check)
     common_strategy.save_common(common, checkpoint_dir)
-    sharded_strategy.save(sharded, checkpoint_dir)
-    if _rank() == 0:
-        save_config(CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
-                                        common_strategy.backend, common_strategy.version),
-                    checkpoint_dir)
-    _barrier()
+
+    def write_config() -> None:
+        if _rank() == 0:
+            save_config(CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
+                                            common_strategy.backend, common_strategy.version),
+                        checkpoint_dir)
+        _barrier()
+
+    if not async_sharded_save:
+        sharded_strategy.save(sharded, checkpoint_dir)
+        write_config()
+        return None
+    request = sharded_strategy.async_save(sharded, checkpoint_dir)
+    request.add_finalize_fn(write_config)
+    return request
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist",

@@ -1,6 +1,6 @@
-"""Gradient reduction and parameter gathering for a group of buckets.
+"""Buckets, and gradient reduction and parameter gathering for a group of buckets.
 
-A :class:`BucketGroup` is the unit of data-parallel communication: its buckets are reduced
+A :class:`ParamAndGradBucket` is a run of a gradient buffer's elements; a :class:`BucketGroup` is the unit of data-parallel communication: its buckets are reduced
 together. Gradients are all-reduced, or reduce-scattered (each rank keeps the reduced
 values of its own shard) when the distributed optimizer is used. With
 ``overlap_grad_reduce`` the reduction is launched asynchronously from the backward hooks
@@ -34,15 +34,34 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.collective_group import CollectiveGroup
+from megatron.core.distributed.collective_group import CollectiveGroup, local_shard
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
-from megatron.core.distributed.param_and_grad_buffer import (
-    ParamAndGradBucket,
-    ParamAndGradBuffer,
-    local_shard,
-)
+
+
+class ParamAndGradBucket:
+    """A run of consecutive buffer elements that is reduced (and gathered) as one unit.
+
+    ``grad_data``/``param_data`` are views into the buffer (``param_data`` is None until the
+    buffer owns the parameters' data); ``offset`` is where the bucket starts in its buffer.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        param_data: torch.Tensor | None,
+        grad_data: torch.Tensor,
+        offset: int,
+        numel_unpadded: int,
+        gradient_scaling_factor: float,
+        bucket_id: int,
+    ):
+        self.bucket_id, self.offset, self.numel_unpadded = bucket_id, offset, numel_unpadded
+        self.grad_data, self.param_data = grad_data, param_data
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.params_list = list(params)
+        self.params = set(self.params_list)
 
 
 class _SyncState(enum.Enum):
@@ -253,10 +272,10 @@ class BucketGroup:
         self._param_gather_handles = []
 
 
-def partition_buckets(
-    buffers: Sequence[ParamAndGradBuffer], force_single_bucket_group: bool = False
-) -> list[BucketGroup]:
-    """One group per bucket, or all buckets of all buffers in one group when forced."""
+def partition_buckets(buffers: Sequence, force_single_bucket_group: bool = False
+                      ) -> list[BucketGroup]:
+    """One group per bucket of the ``ParamAndGradBuffer``s, or all buckets of all buffers in
+    one group when forced."""
     if not buffers:
         return []
     if force_single_bucket_group:

@@ -110,6 +110,12 @@ class CollectiveGroup:
 SINGLE_RANK = CollectiveGroup(group=None, size=1, rank=0)
 
 
+def local_shard(data: torch.Tensor, group: CollectiveGroup) -> torch.Tensor:
+    """This rank's piece of ``data`` when it is split into ``group.size`` equal pieces."""
+    size = data.numel() // group.size
+    return data[group.rank * size:(group.rank + 1) * size]
+
+
 def wrap_group(group: Any) -> CollectiveGroup:
     """Describe an existing torch process group (None: the default group)."""
     if isinstance(group, CollectiveGroup):

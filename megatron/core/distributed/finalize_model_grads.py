@@ -7,9 +7,12 @@
    ``sequence_parallel`` (replicated weights such as norms whose gradient each TP rank
    computed on its own slice of the sequence), and, with ``qk_layernorm``, of the
    query/key norm weights (computed on each rank's heads);
-3. sum over the embedding group the gradients of parameters marked ``shared_embedding``
+3. with ``config.has_cond_embedder`` (a conditioning embedder every pipeline stage and model
+   chunk holds a replica of), sum the gradients of parameters marked ``pipeline_parallel``
+   over the chunks and the pipeline group, so the replicas stay equal;
+4. sum over the embedding group the gradients of parameters marked ``shared_embedding``
    (the tied word-embedding / output weight held by the first and last pipeline stages);
-4. with ``num_tokens`` (per-token loss), divide all gradients by the global token count.
+5. with ``num_tokens`` (per-token loss), divide all gradients by the global token count.
 """
 
 from __future__ import annotations
@@ -62,6 +65,29 @@ def _allreduce_sequence_parallel_grads(model, config, tp_group: Any) -> None:
     if grads:  # only then is a tensor-parallel group needed at all
         group = resolve_group(tp_group, parallel_state.get_tensor_model_parallel_group)
         _all_reduce_coalesced(grads, group)
+
+
+def _allreduce_conditional_embedding_grads(model, config, pp_group: Any = None) -> None:
+    """Sum the gradients of the replicated (``pipeline_parallel``) parameters over this rank's
+    chunks and the pipeline group; every replica then holds the total."""
+    if not getattr(config, "has_cond_embedder", False):
+        return
+    per_chunk = [[_grad_of(p) for _, p in _named_params([chunk])
+                  if p.requires_grad and getattr(p, "pipeline_parallel", False)]
+                 for chunk in model]
+    per_chunk = [[g for g in grads if g is not None] for grads in per_chunk]
+    shapes = [[tuple(g.shape) for g in grads] for grads in per_chunk]
+    if any(s != shapes[0] for s in shapes[1:]):
+        raise ValueError(f"has_cond_embedder: the model chunks hold different replicated "
+                         f"(pipeline_parallel) parameters, shapes {shapes}")
+    if not per_chunk or not per_chunk[0]:
+        return
+    totals = [torch.stack(same).sum(dim=0) for same in zip(*per_chunk)]
+    group = resolve_group(pp_group, parallel_state.get_pipeline_model_parallel_group)
+    _all_reduce_coalesced(totals, group)
+    for grads in per_chunk:
+        for grad, total in zip(grads, totals):
+            grad.copy_(total)
 
 
 def _allreduce_shared_embedding_grads(model, embedding_group: Any) -> None:
@@ -136,6 +162,8 @@ def finalize_model_grads(
         _finish_data_parallel_sync(model, dp_group)
     with timer_span(config, "layernorm-grads-all-reduce", log_level=1):
         _allreduce_sequence_parallel_grads(model, config, tp_group)
+    with timer_span(config, "conditional-embedder-grads-all-reduce", log_level=1):
+        _allreduce_conditional_embedding_grads(model, config, pp_group)
     with timer_span(config, "embedding-grads-all-reduce", log_level=1):
         _allreduce_shared_embedding_grads(model, embedding_group)
 

@@ -13,41 +13,20 @@ from typing import Sequence
 
 import torch
 
+from megatron.core.distributed.bucket_group import (
+    BucketGroup,
+    ParamAndGradBucket,
+    partition_buckets,
+)
 from megatron.core.distributed.buffer_layout import plan_buffer_layout
 from megatron.core.distributed.collective_group import CollectiveGroup
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 
-
-def local_shard(data: torch.Tensor, group: CollectiveGroup) -> torch.Tensor:
-    """This rank's piece of ``data`` when it is split into ``group.size`` equal pieces."""
-    size = data.numel() // group.size
-    return data[group.rank * size:(group.rank + 1) * size]
-
-
-class ParamAndGradBucket:
-    """A run of consecutive buffer elements that is reduced (and gathered) as one unit.
-
-    ``grad_data``/``param_data`` are views into the buffer (``param_data`` is None until the
-    buffer owns the parameters' data); ``offset`` is where the bucket starts in its buffer.
-    """
-
-    def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        param_data: torch.Tensor | None,
-        grad_data: torch.Tensor,
-        offset: int,
-        numel_unpadded: int,
-        gradient_scaling_factor: float,
-        bucket_id: int,
-    ):
-        self.bucket_id, self.offset, self.numel_unpadded = bucket_id, offset, numel_unpadded
-        self.grad_data, self.param_data = grad_data, param_data
-        self.gradient_scaling_factor = gradient_scaling_factor
-        self.params_list = list(params)
-        self.params = set(self.params_list)
+# Upstream defines its bucket groups in this module; code that imports them from here finds them.
+_ParamAndGradBucketGroup = BucketGroup
+__all__ = ["BucketGroup", "ParamAndGradBucket", "ParamAndGradBuffer", "partition_buckets"]
 
 
 class ParamAndGradBuffer:

@@ -29,7 +29,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.distributed.collective_group import (
     CollectiveGroup,
     resolve_group,
@@ -37,6 +36,10 @@ from megatron.core.distributed.collective_group import (
     wrap_group,
 )
 from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.core.optimizer.distrib_sharded_state import (
+    distributed_sharded_state_dict,
+    load_distributed_sharded_state,
+)
 from megatron.core.optimizer.flat_adam import MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
@@ -239,11 +242,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return signature
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
-                           **kwargs) -> dict:
-        raise CheckpointingException(
-            "DistributedOptimizer.sharded_state_dict is not available here; save a training "
-            "run's distributed-optimizer state with pretrain_gpt.py --ckpt-format torch_dist "
-            "(upstream's fully_sharded_model_space layout)")
+                           sharding_type: str = "fully_sharded_model_space", **kwargs) -> dict:
+        """This rank's pieces of the state for ``dist_checkpointing``, placed in the model's
+        tensors (``distrib_sharded_state``); ``load_state_dict`` takes it back loaded."""
+        return distributed_sharded_state_dict(self, model_sharded_state_dict, is_loading,
+                                              sharding_type)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state: its shards' state and fp32 main parameters.
@@ -263,6 +266,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if "param_state_sharding_type" in state_dict:  # loaded from sharded_state_dict()
+            load_distributed_sharded_state(self, state_dict)
+            return
         if state_dict.get("layout") != self._layout_signature():
             raise ValueError(
                 "this distributed-optimizer state was saved with a different data-parallel "

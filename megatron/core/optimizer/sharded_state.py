@@ -16,7 +16,6 @@ so the model's sharded state dict must hold its parameters themselves (as
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory,
 )
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 _PLACED = (ShardedTensor, ShardedTensorFactory)
 COMMON_STEP = "common_step"
@@ -33,10 +33,7 @@ COMMON_STEP = "common_step"
 
 def _as_state(entry, tensor: torch.Tensor, kind: str):
     """``tensor`` placed as the model's ``entry`` is, under the optimizer state's key."""
-    key = f"optimizer.state.{kind}.{entry.key}"
-    if isinstance(entry, ShardedTensorFactory):
-        return replace(entry, key=key, data=tensor)
-    return replace(entry, key=key, data=tensor, dtype=tensor.dtype)
+    return make_sharded_optimizer_tensor(entry, tensor, f"optimizer.state.{kind}")
 
 
 def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict,

@@ -57,6 +57,7 @@ class Attention(MegatronModule, ABC):
     def __init__(self, config, submodules, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, *, tp_group: Any = None) -> None:
         super().__init__(config=config)
+        config.require_model_shape(type(self).__name__)
         self.tp_group = checked_tp_group(config, tp_group)
         tp = config.tensor_model_parallel_size
         self.layer_number = layer_number

@@ -13,10 +13,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.fusions.fused_bias_activation import bias_activation, fused_bias_activation
 from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
+from megatron.core.transformer.sharded_state import gated_halves_factory
 
 
 @dataclass
@@ -41,6 +44,7 @@ class MLP(MegatronModule):
         tp_group: Any = None,
     ) -> None:
         super().__init__(config=config)
+        config.require_model_shape(type(self).__name__)
         if is_expert:
             raise ValueError("is_expert=True is not supported: mixture of experts is not implemented")
         self.tp_group = checked_tp_group(config, tp_group)
@@ -80,3 +84,23 @@ class MLP(MegatronModule):
         intermediate = activate(intermediate, fc1_bias, self.activation_func,
                                 self.config.gated_linear_unit)
         return self.linear_fc2(intermediate)
+
+
+def apply_swiglu_sharded_factory(original_sh_ten: ShardedTensor,
+                                 sharded_offsets: tuple) -> ShardedTensorFactory:
+    """A gated-linear-unit fc1 entry (``[gate; up]`` along its first local axis, that axis cut
+    into equal shards) as a factory storing the two halves as upstream does; ``sharded_offsets``
+    are the offsets of the axes prepended before the tensor's own."""
+    if original_sh_ten.flattened_range is not None:
+        raise CheckpointingException(f"apply_swiglu_sharded_factory: {original_sh_ten.key} is a "
+                                     f"flattened shard; give the whole local tensor")
+    axis = len(sharded_offsets)
+    local = original_sh_ten.local_shape[0]
+    offset = original_sh_ten.global_offset[axis]
+    if local == 0 or local % 2 or offset % local:
+        raise CheckpointingException(
+            f"apply_swiglu_sharded_factory: {original_sh_ten.key} has {local} rows at offset "
+            f"{offset} of its first axis; a gated fc1 shard has an even, equal share")
+    shards = original_sh_ten.axis_fragmentations[axis]
+    return gated_halves_factory(original_sh_ten.key, original_sh_ten.data, tuple(sharded_offsets),
+                                (offset // local, shards), original_sh_ten.replica_id, 0)

@@ -17,11 +17,13 @@ parameters' places by identity) and are keyed by the module's own ``state_dict()
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject, ShardedTensor, ShardedTensorFactory,
 )
@@ -61,22 +63,46 @@ def _placed(key: str, blocks: dict[str, tuple[range, int]]
     return key, ()
 
 
-def _gated_halves(key: str, tensor: torch.Tensor, layer_offsets, tp: tuple[int, int],
-                  replica_id, dim: int) -> ShardedTensorFactory:
+def gated_halves_factory(key: str, tensor: torch.Tensor, layer_offsets, tp: tuple[int, int],
+                         replica_id, dim: int) -> ShardedTensorFactory:
+    """A gated fc1 shard ``[gate; up]`` (along ``dim``) of tensor-parallel rank ``tp[0]`` of
+    ``tp[1]`` as two chunks of ``key``: the gate halves of all ranks first, then the up
+    halves, so the stored tensor does not depend on the tensor-parallel size."""
     rank, size = tp
     axis = dim + len(layer_offsets)
+    local_shape = tuple(tensor.shape)
+    half_shape = tuple(n // 2 if d == dim else n for d, n in enumerate(local_shape))
+    placement = {"gate": (axis, rank, 2 * size), "up": (axis, size + rank, 2 * size)}
 
     def build(key, data, replica_id, flattened_range):
-        gate, up = torch.chunk(data.detach(), 2, dim=dim)
-        return {"gate": ShardedTensor.from_rank_offsets(
-                    key, gate, *layer_offsets, (axis, rank, 2 * size), replica_id=replica_id,
-                    prepend_axis_num=len(layer_offsets)),
-                "up": ShardedTensor.from_rank_offsets(
-                    key, up, *layer_offsets, (axis, size + rank, 2 * size),
-                    replica_id=replica_id, prepend_axis_num=len(layer_offsets))}
+        if flattened_range is None:
+            gate, up = torch.chunk(data.detach(), 2, dim=dim)
+            return {half: ShardedTensor.from_rank_offsets(
+                        key, value, *layer_offsets, placement[half], replica_id=replica_id,
+                        prepend_axis_num=len(layer_offsets))
+                    for half, value in (("gate", gate), ("up", up))}
+        return _flat_halves(key, data, flattened_range, replica_id)
+
+    def _flat_halves(key, data, flattened_range, replica_id):
+        # ``data`` is elements [start, stop) of the flattened local [gate; up]; along the first
+        # axis each half is a contiguous half of those elements.
+        if dim != 0:
+            raise CheckpointingException(f"{key}: a flattened gated tensor must be gated along "
+                                         f"its first axis, not axis {dim}")
+        middle = math.prod(local_shape) // 2
+        start, stop = flattened_range.start, flattened_range.stop
+        halves = {}
+        for half, low, high in (("gate", 0, middle), ("up", middle, 2 * middle)):
+            begin, end = max(start, low), min(stop, high)
+            if begin < end:
+                halves[half] = ShardedTensor.from_rank_offsets_flat(
+                    key, data.detach()[begin - start:end - start], half_shape, *layer_offsets,
+                    placement[half], flattened_range=slice(begin - low, end - low),
+                    replica_id=replica_id, prepend_axis_num=len(layer_offsets))
+        return halves
 
     def merge(halves):
-        return torch.cat([halves["gate"], halves["up"]], dim=dim)
+        return torch.cat([halves[half] for half in ("gate", "up") if half in halves], dim=dim)
 
     return ShardedTensorFactory(key, tensor, build, merge, replica_id)
 
@@ -118,7 +144,7 @@ def module_sharded_state_dict(module: torch.nn.Module, prefix: str = "",
                                                     replica_id=replica_id,
                                                     prepend_axis_num=prepend, **options)
         elif stride == 2:
-            entry = _gated_halves(prefix + name, tensor, offsets, (tp_rank, tp_size),
+            entry = gated_halves_factory(prefix + name, tensor, offsets, (tp_rank, tp_size),
                                   replica_id, dim)
         else:
             entry = ShardedTensor.from_rank_offsets(

@@ -368,11 +368,22 @@ class TransformerConfig(ModelParallelConfig):
                     f"keep it {defaults[name]!r}"
                 )
 
+    def require_model_shape(self, module: str) -> None:
+        """Refuse to build ``module`` from a config without a shape (``hidden_size`` 0, the
+        default, which upstream allows for configs that only carry parallel and precision
+        settings, e.g. for DDP)."""
+        if self.hidden_size < 1:
+            raise ValueError(f"{module} needs TransformerConfig.hidden_size >= 1, got "
+                             f"{self.hidden_size}; set hidden_size (and num_attention_heads)")
+
     def _check_and_fill_shapes(self) -> None:
-        for name in ("hidden_size", "num_attention_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        value = self.hidden_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"hidden_size must be an integer >= 1 (or 0 for a config that "
+                             f"builds no layers), got {value!r}")
+        value = self.num_attention_heads
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"num_attention_heads must be an integer >= 1, got {value!r}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or (
             self.num_layers < 0
         ):

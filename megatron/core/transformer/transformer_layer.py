@@ -83,6 +83,7 @@ class TransformerLayer(MegatronModule):
         tp_group: Any = None,
     ) -> None:
         super().__init__(config=config)
+        config.require_model_shape(type(self).__name__)
         if submodules.self_attention is None or submodules.mlp is None:
             raise ValueError("TransformerLayerSubmodules needs both self_attention and mlp")
         self.layer_number = layer_number

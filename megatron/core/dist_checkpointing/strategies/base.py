@@ -124,3 +124,15 @@ class SaveShardedStrategy(SaveStrategyBase):
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         """Write the sharded leaves (collective)."""
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """Writes the sharded part in two steps: ``async_save`` plans (collective) and returns the
+    write to run in the background and the collective steps that complete it afterwards."""
+
+    @abstractmethod
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
+        """An ``async_utils.AsyncRequest`` that writes ``sharded_state_dict``."""
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()

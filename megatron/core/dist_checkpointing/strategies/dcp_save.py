@@ -136,6 +136,16 @@ def write_metadata(directory: str, metadata: Metadata) -> None:
     os.replace(f"{path}.tmp", path)
 
 
+def complete(planned: PlannedSave, results: list[WriteResult]) -> None:
+    """After every rank wrote its files: the coordinator writes the metadata from all
+    ranks' ``results`` (collective)."""
+    everyone = from_every_rank(results)
+    if _rank() == COORDINATOR:
+        finish(planned, everyone)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save(state: dict[str, Any], directory: str, *, spread: bool = True,
          cache_key: Optional[str] = None,
          annotate: Optional[Callable[[Metadata], None]] = None,
@@ -143,8 +153,4 @@ def save(state: dict[str, Any], directory: str, *, spread: bool = True,
     """All three phases now, as ``dcp.save`` (collective)."""
     planned = plan(state, directory, spread=spread, cache_key=cache_key, annotate=annotate,
                    thread_count=thread_count)
-    results = from_every_rank(write(planned))
-    if _rank() == COORDINATOR:
-        finish(planned, results)
-    if dist.is_initialized():
-        dist.barrier()
+    complete(planned, write(planned))

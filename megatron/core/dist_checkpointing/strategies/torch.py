@@ -36,13 +36,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.ranks import from_every_rank
 from megatron.core.dist_checkpointing.safe_load import load_object_shard
-from megatron.core.dist_checkpointing.strategies import dcp_chunks, dcp_save
-from megatron.core.dist_checkpointing.strategies.base import (
-    LoadShardedStrategy,
-    SaveShardedStrategy,
-    StrategyAction,
-    register_default_strategy,
-)
+from megatron.core.dist_checkpointing.strategies import async_utils, base, dcp_chunks, dcp_save
 from megatron.core.dist_checkpointing.strategies.torch_reads import (
     ND_SHAPE,
     Reads,
@@ -57,10 +51,10 @@ BACKEND, VERSION = "torch_dist", 1
 
 def register_default_torch_strategies() -> None:
     """Make this module's strategies the torch_dist defaults."""
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
-                              TorchDistLoadShardedStrategy())
-    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
-                              TorchDistSaveShardedStrategy(BACKEND, VERSION))
+    base.register_default_strategy(base.StrategyAction.LOAD_SHARDED, BACKEND, VERSION,
+                                   TorchDistLoadShardedStrategy())
+    base.register_default_strategy(base.StrategyAction.SAVE_SHARDED, BACKEND, VERSION,
+                                   TorchDistSaveShardedStrategy(BACKEND, VERSION))
 
 
 def _add_tensor(state: dict[str, Any], described: dict[str, dict], tensor: ShardedTensor) -> None:
@@ -105,12 +99,25 @@ def to_dcp_state(sharded_state_dict: ShardedStateDict, main_replicas_only: bool 
     return state, described
 
 
-class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+def _private_copies(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor piece copied to host memory of its own, so that a write in
+    the background sees the values of now while training changes the originals."""
+    copied = {}
+    for key, value in state.items():
+        if isinstance(value, dcp_chunks.TensorPieces):
+            value = dcp_chunks.TensorPieces(value.global_shape, {
+                offsets: piece.to("cpu", copy=True) for offsets, piece in value.pieces.items()})
+        copied[key] = value
+    return copied
+
+
+class TorchDistSaveShardedStrategy(base.AsyncSaveShardedStrategy):
     """Writes the sharded part with torch.distributed.checkpoint (collective).
 
-    ``keep_only_main_replica``: offer only main replicas (else DCP picks one writer of the
-    replicas); ``thread_count``: files per rank; ``cached_metadata``: reuse the previous
-    save's global plan while no rank's local plan changes (torch's planner caching).
+    ``keep_only_main_replica``: offer only main replicas (else the ranks holding replicas of
+    an item share the writing, balanced by bytes); ``thread_count``: files per rank;
+    ``cached_metadata`` (also ``use_cached_ckpt_structure``): reuse the previous save's global
+    plan while no rank's local plan changes (torch's planner caching).
     """
 
     def __init__(self, backend: str, version: int, keep_only_main_replica: bool = True,
@@ -124,8 +131,19 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    @property
+    def use_cached_ckpt_structure(self) -> bool:
+        return self.cached_metadata
+
+    @use_cached_ckpt_structure.setter
+    def use_cached_ckpt_structure(self, value: bool) -> None:
+        self.cached_metadata = value
+
+    def _plan(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
+              private: bool) -> dcp_save.PlannedSave:
         state, described = to_dcp_state(sharded_state_dict, self.keep_only_main_replica)
+        if private:
+            state = _private_copies(state)
         everyone: dict[str, dict] = {}
         for rank_described in from_every_rank(described):
             for key, entry in rank_described.items():
@@ -135,9 +153,22 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         def annotate(metadata: Metadata) -> None:
             metadata.mcore_data = everyone
 
-        dcp_save.save(state, str(checkpoint_dir), spread=not self.keep_only_main_replica,
-                      cache_key="dist_checkpointing" if self.cached_metadata else None,
-                      annotate=annotate, thread_count=self.thread_count)
+        return dcp_save.plan(state, str(checkpoint_dir), spread=not self.keep_only_main_replica,
+                             cache_key="dist_checkpointing" if self.cached_metadata else None,
+                             annotate=annotate, thread_count=self.thread_count)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        planned = self._plan(sharded_state_dict, checkpoint_dir, private=False)
+        dcp_save.complete(planned, dcp_save.write(planned))
+
+    def async_save(self, sharded_state_dict: ShardedStateDict,
+                   checkpoint_dir: Path) -> async_utils.AsyncRequest:
+        """Plan now (collective) on private host copies of the tensors; the request's
+        background part writes this rank's files, its finalize step the metadata."""
+        planned = self._plan(sharded_state_dict, checkpoint_dir, private=True)
+        written: list = []
+        return async_utils.AsyncRequest(lambda: written.append(dcp_save.write(planned)), (),
+                                        [lambda: dcp_save.complete(planned, written[0])])
 
 
 def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
@@ -151,7 +182,7 @@ def read_metadata(checkpoint_dir: Union[str, Path]) -> Metadata:
                                     f"checkpoint metadata ({str(error).splitlines()[0]})") from None
 
 
-class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+class TorchDistLoadShardedStrategy(base.LoadShardedStrategy):
     """Reads ShardedTensors (resharded as needed) and ShardedObjects; each rank reads what it
     asks for, without collectives."""
 

@@ -49,6 +49,7 @@ class LanguageModelEmbedding(MegatronModule):
         tp_group: Any = None,
     ) -> None:
         super().__init__(config=config)
+        config.require_model_shape(type(self).__name__)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type={position_embedding_type!r} is not one of "
@@ -85,6 +86,12 @@ class LanguageModelEmbedding(MegatronModule):
             self.position_embeddings = _position_table(config, max_sequence_length)
         self.tokentype_embeddings = None
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    @torch.no_grad()
+    def zero_parameters(self) -> None:
+        """Set every embedding table to zero."""
+        for param in self.parameters():
+            param.zero_()
 
     def forward(
         self,
