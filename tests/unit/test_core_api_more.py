@@ -185,3 +185,29 @@ def test_embedding_zero_parameters():
     embedding = LanguageModelEmbedding(small_config(), vocab_size=8, max_sequence_length=4)
     embedding.zero_parameters()
     assert all(not param.any() for param in embedding.parameters())
+
+
+def test_build_module_builds_specs_classes_and_import_paths():
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module, import_module
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    def double(x):
+        return 2 * x
+
+    assert build_module(double) is double
+    assert build_module(ModuleSpec(module=double)) is double
+    assert isinstance(build_module(IdentityOp, "ignored", size=3), IdentityOp)
+    x = torch.ones(2)
+    assert build_module(ModuleSpec(module=IdentityOp))(x, "extra") is x
+    assert build_module(IdentityFuncOp)()(x) is x
+    spec = ModuleSpec(module=("megatron.core.transformer.mlp", "MLP"),
+                      submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                               linear_fc2=RowParallelLinear))
+    assert isinstance(build_module(spec, config=small_config()), MLP)
+    assert import_module(("megatron.core.transformer.mlp", "MLP")) is MLP
+    with pytest.raises(ImportError, match="cannot import Nope from megatron.core.transformer"):
+        import_module(("megatron.core.transformer.mlp", "Nope"))
+    with pytest.raises(TypeError, match="building MLP from its spec"):
+        build_module(ModuleSpec(module=MLP, params={"bogus": 1}), config=small_config())
