@@ -381,7 +381,10 @@ def check_checkpoint_distributes_saved_activations(env: Env) -> None:
         torch.manual_seed(7)
         tp.model_parallel_cuda_manual_seed(7)
         out = tp.checkpoint(block, True, x) if recompute else block(x)
+        if recompute:  # until backward the input itself holds only this rank's 1-D share
+            assert x.shape == (source.numel() // env.size,), x.shape
         (out * grad).sum().backward()
+        assert x.shape == source.shape  # whole again
         results.append([out.detach(), x.grad, block.column.weight.grad, block.row.weight.grad])
     for got, want, name in zip(results[1], results[0], ["output", "input", "column", "row"]):
         close(got, want, f"checkpoint with distributed activations: {name}")

@@ -211,3 +211,23 @@ def test_build_module_builds_specs_classes_and_import_paths():
         import_module(("megatron.core.transformer.mlp", "Nope"))
     with pytest.raises(TypeError, match="building MLP from its spec"):
         build_module(ModuleSpec(module=MLP, params={"bogus": 1}), config=small_config())
+
+
+def test_sublayers_return_their_output_bias_unless_the_layer_asks_otherwise():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    config = small_config()  # biases, no fused bias-dropout-add
+    spec = get_gpt_layer_local_spec().submodules
+    mlp = MLP(config, spec.mlp.submodules)  # as upstream: the bias comes back separately
+    x = torch.randn(3, 2, config.hidden_size)
+    output, bias = mlp(x)
+    assert bias is not None and bias.shape == (config.hidden_size,)
+    folded, none = MLP(config, spec.mlp.submodules, output_bias_in_linear=True)(x)
+    assert none is None
+    layer = TransformerLayer(config, spec)  # nothing to fuse: the GEMMs add the biases
+    assert layer.mlp.linear_fc2.skip_bias_add is False
+    assert layer.self_attention.linear_proj.skip_bias_add is False
+    fused = TransformerLayer(small_config(bias_dropout_fusion=True, hidden_dropout=0.1), spec)
+    assert fused.mlp.linear_fc2.skip_bias_add is True

@@ -75,21 +75,30 @@ def fingerprint(dataset, count: int = 50) -> str:
 
 # ---- sample index ------------------------------------------------------------------------------
 
-def reference_sample_index(lengths, document_index, sequence_length):
+def reference_sample_index(lengths, document_index, sequence_length, extra=1, keep_partial=False):
     """Walk the token stream sample by sample (the obvious, slow way)."""
     stream_owner = [(position, offset) for position, document in enumerate(document_index)
                     for offset in range(lengths[document])]
-    count = (len(stream_owner) - 1) // sequence_length
-    return numpy.array([stream_owner[i * sequence_length] for i in range(count + 1)])
+    last = len(document_index) - 1
+    stream_owner.append((last, lengths[document_index[last]]))  # one past the end
+    usable = len(stream_owner) - 1 - extra
+    starts = list(range(0, usable + 1, sequence_length))
+    if keep_partial and starts[-1] < usable:
+        starts.append(usable)
+    return numpy.array([stream_owner[start] for start in starts])
 
 
+@pytest.mark.parametrize("extra, keep_partial", [(1, False), (0, False), (1, True), (0, True)])
 @pytest.mark.parametrize("sequence_length", [1, 3, 7, 64])
-def test_sample_index_matches_a_token_walk(sequence_length):
+def test_sample_index_matches_a_token_walk(sequence_length, extra, keep_partial):
     rng = numpy.random.default_rng(sequence_length)
     lengths = rng.integers(0, 20, size=200).astype(numpy.int32)  # includes empty sequences
     document_index = rng.permutation(numpy.tile(numpy.arange(200, dtype=numpy.int32), 2))
-    expected = reference_sample_index(lengths, document_index, sequence_length)
-    assert numpy.array_equal(build_sample_index(lengths, document_index, sequence_length), expected)
+    expected = reference_sample_index(lengths, document_index, sequence_length, extra,
+                                      keep_partial)
+    built = build_sample_index(lengths, document_index, sequence_length, bool(extra),
+                               drop_last_partial=not keep_partial)
+    assert numpy.array_equal(built, expected)
 
 
 def test_sample_index_scales_linearly():
@@ -118,6 +127,42 @@ def test_packed_samples_are_windows_of_the_shuffled_stream(corpus):
         assert sample["position_ids"].tolist() == list(range(32))
         assert sample["loss_mask"].tolist() == [1.0] * 32
         assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
+
+
+def test_samples_without_the_extra_token_do_not_overlap(corpus):
+    prefix, documents = corpus
+    (train, _, _) = build(GPTDataset, [300, None, None],
+                          config(prefix, add_extra_token_to_sequence=False))
+    stream = numpy.concatenate([documents[i] for i in train.document_index])
+    unshuffle = numpy.argsort(train.shuffle_index)
+    for row in (0, 1, 17, len(train) - 1):
+        sample = train[int(unshuffle[row])]
+        window = stream[row * 32: row * 32 + 32]
+        assert sample["tokens"].tolist() == window.tolist()
+        assert sample["labels"].tolist() == window[1:].tolist() + [0]  # padding, no loss
+        assert sample["loss_mask"].tolist() == [1.0] * 31 + [0.0]
+
+
+def test_a_kept_partial_validation_sample_is_padded_without_loss(tmp_path):
+    documents = make_documents(50, seed=3)
+    prefix = write_documents(str(tmp_path / "valid"), documents)
+    settings = dict(blend=([prefix], None), split="0,1,0")
+    tokens = sum(len(document) for document in documents)
+    assert (tokens - 1) % 32, "the corpus must leave a partial sample"
+    (_, dropped, _) = build(GPTDataset, [None, None, None], config(**settings))
+    (_, kept, _) = build(GPTDataset, [None, None, None],
+                         config(**settings, drop_last_partial_validation_sequence=False))
+    assert len(dropped) == (tokens - 1) // 32 and len(kept) == len(dropped) + 1
+    last = kept[int(numpy.argmax(kept.shuffle_index))]
+    stream = numpy.concatenate([documents[i] for i in kept.document_index])
+    real = (tokens - 1) % 32
+    # The stream's last real + 1 tokens; the last of them has only padding to predict.
+    assert last["tokens"][:real + 1].tolist() == stream[-real - 1:].tolist()
+    assert last["labels"][:real].tolist() == stream[-real:].tolist()
+    assert not last["labels"][real:].any() and not last["tokens"][real + 1:].any()
+    assert last["loss_mask"].tolist() == [1.0] * real + [0.0] * (32 - real)
+    padding = kept[None]
+    assert padding["tokens"].shape == (32,) and not padding["loss_mask"].any()
 
 
 def test_epochs_cover_the_requested_samples(corpus):
@@ -236,6 +281,7 @@ def test_get_blend_from_list():
     assert get_blend_from_list(["a", "b"]) == (["a", "b"], None)
     assert get_blend_from_list(["30", "a", "70", "b"]) == (["a", "b"], [30.0, 70.0])
     assert get_blend_from_list([" a "]) == (["a"], None)
+    assert get_blend_from_list([1, "a", 2.5, "b"]) == (["a", "b"], [1.0, 2.5])
     with pytest.raises(ValueError, match="mixes weights and prefixes"):
         get_blend_from_list(["30", "a", "b", "c"])
 

@@ -31,6 +31,11 @@ from megatron.core.datasets.utils import Split, log_single_rank, normalize
 logger = logging.getLogger(__name__)
 
 
+class BlendSizeError(ValueError, AssertionError):
+    """A blend that cannot be built at the sizes asked for (also an AssertionError, the type
+    upstream's builder raises)."""
+
+
 class BlendedMegatronDatasetBuilder:
     """Builds the three splits of ``cls`` datasets described by ``config``.
 
@@ -108,7 +113,7 @@ class BlendedMegatronDatasetBuilder:
             missing = [split.name for split in Split
                        if split_matrix[split.value] is not None and wanted[split.value] is None]
             if missing:
-                raise ValueError(f"a weighted blend needs a sample count for every split; "
+                raise BlendSizeError(f"a weighted blend needs a sample count for every split; "
                                  f"none given for {', '.join(missing)}")
             shares = normalize(weights)
             # Enough samples per source for its share of every split; the blend takes exactly

@@ -40,6 +40,9 @@ from megatron.core.datasets.utils import Split, log_single_rank
 
 logger = logging.getLogger(__name__)
 
+# Marks padding in a sample while its masks are made (no token id is negative).
+_PAD = -1
+
 
 @dataclasses.dataclass
 class GPTDatasetConfig(BlendedMegatronDatasetConfig):
@@ -57,6 +60,14 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
 
     pack_sequences: bool = True
     """Pack documents into fixed-length samples; False: one document per sample, variable length."""
+
+    add_extra_token_to_sequence: bool = True
+    """Samples of ``sequence_length + 1`` tokens (inputs, and labels shifted by one); False:
+    ``sequence_length`` tokens, the label of the last input being padding (no loss)."""
+
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the validation split's trailing partial sample; False: keep it, padded (no loss on
+    the padding)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -123,6 +134,8 @@ class GPTDataset(MegatronDataset):
             "sequence_length": self.config.sequence_length,
             "split": self.config.split,
             "pack_sequences": self.config.pack_sequences,
+            "add_extra_token_to_sequence": self.config.add_extra_token_to_sequence,
+            "drop_last_partial_sequence": self._drop_last_partial(),
             "tokenizer": _tokenizer_identity(self.config.tokenizer),
         }
 
@@ -157,7 +170,9 @@ class GPTDataset(MegatronDataset):
                  f"split ({len(self.indices)} sequences)")
         try:
             if self.config.pack_sequences:
-                packed = build_packed_indices(lengths, self.indices, self.num_samples, length, seed)
+                packed = build_packed_indices(lengths, self.indices, self.num_samples, length, seed,
+                                              self.config.add_extra_token_to_sequence,
+                                              self._drop_last_partial())
                 return {"document_index": packed.document_index,
                         "sample_index": packed.sample_index,
                         "shuffle_index": packed.shuffle_index}
@@ -166,29 +181,36 @@ class GPTDataset(MegatronDataset):
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
 
+    def _drop_last_partial(self) -> bool:
+        return (self.index_split != Split.valid
+                or self.config.drop_last_partial_validation_sequence)
+
     def __len__(self) -> int:
         if self.sample_index is None:
             return int(self.document_index.shape[0])
         return int(self.sample_index.shape[0]) - 1
 
     def _sample_text(self, idx: int) -> numpy.ndarray:
-        """The ``n + 1`` token ids of sample ``idx`` (inputs and the label after the last)."""
+        """The token ids of sample ``idx``: ``n + 1`` (inputs and the label after the last), or
+        ``n`` without the extra token; a trailing partial sample has fewer."""
+        extra = int(self.config.add_extra_token_to_sequence)
         if self.sample_index is None:
             sequence = int(self.document_index[idx])
             size = min(int(self.dataset.sequence_lengths[sequence]),
-                       self.config.sequence_length + 1)
+                       self.config.sequence_length + extra)
             return numpy.asarray(self.dataset.get(sequence, 0, size), dtype=numpy.int64)
         row = int(self.shuffle_index[idx])
         first, first_offset = (int(value) for value in self.sample_index[row])
         last, last_offset = (int(value) for value in self.sample_index[row + 1])
         if first == last:
-            span = last_offset - first_offset + 1
+            span = last_offset - first_offset + extra
             parts = [self.dataset.get(int(self.document_index[first]), first_offset, span)]
         else:
             parts = [self.dataset.get(int(self.document_index[first]), first_offset)]
             parts += [self.dataset.get(int(self.document_index[position]))
                       for position in range(first + 1, last)]
-            parts.append(self.dataset.get(int(self.document_index[last]), 0, last_offset + 1))
+            parts.append(self.dataset.get(int(self.document_index[last]), 0,
+                                          last_offset + extra))
         return numpy.concatenate(parts).astype(numpy.int64)
 
     def _check_vocabulary(self, text: numpy.ndarray, idx: int) -> None:
@@ -202,22 +224,46 @@ class GPTDataset(MegatronDataset):
                 f"token id {bad}, outside the vocabulary of {type(self.config.tokenizer).__name__} "
                 f"({self._vocab_size} ids); the data was preprocessed with another tokenizer")
 
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        size = len(self)
-        if not -size <= idx < size:
-            raise IndexError(f"sample {idx} is out of range ({size} samples)")
-        idx = idx % size
-        text = self._sample_text(idx)
-        self._check_vocabulary(text, idx)
-        text = torch.from_numpy(text)
-        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+    def __getitem__(self, idx: Optional[int]) -> dict[str, torch.Tensor]:
+        """Sample ``idx``; ``None``: a sample of padding, which carries no loss (for filling a
+        batch)."""
+        if idx is None:
+            text = numpy.full(0, _PAD, dtype=numpy.int64)
+        else:
+            size = len(self)
+            if not -size <= idx < size:
+                raise IndexError(f"sample {idx} is out of range ({size} samples)")
+            idx = idx % size
+            text = self._sample_text(idx)
+            self._check_vocabulary(text, idx)
+        text = torch.from_numpy(self._padded(text))
+        if self.config.add_extra_token_to_sequence:
+            tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        else:
+            tokens, labels = text, torch.roll(text, shifts=-1)
+            labels[-1] = _PAD
+        padding = labels == _PAD
+        tokens[tokens == _PAD] = 0  # a valid id for the embedding; no loss is taken there
+        labels[padding] = 0
         attention_mask, loss_mask, position_ids = self._masks(tokens)
+        if bool(padding.any()):
+            loss_mask = loss_mask.masked_fill(padding, 0.0)
         sample = {"tokens": tokens, "labels": labels}
         if attention_mask is not None:
             sample["attention_mask"] = attention_mask
         sample["loss_mask"] = loss_mask
         sample["position_ids"] = position_ids
         return sample
+
+    def _padded(self, text: numpy.ndarray) -> numpy.ndarray:
+        """``text`` filled up with padding to a whole packed sample (a trailing partial one, or
+        the padding sample); unpacked samples keep their length."""
+        if not self.config.pack_sequences and text.size:
+            return text
+        full = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        if text.size >= full:
+            return text
+        return numpy.concatenate((text, numpy.full(full - text.size, _PAD, dtype=numpy.int64)))
 
     def _masks(self, tokens: torch.Tensor):
         config = self.config

@@ -39,11 +39,12 @@ def get_blend_from_list(
     """Turn ``--data-path``'s word list into a blend ``(prefixes, weights or None)``.
 
     Two spellings are accepted, as upstream: prefixes alone (``a b c``; weights None, so the
-    blend follows the dataset sizes) or weight/prefix pairs (``0.3 a 0.7 b``).
+    blend follows the dataset sizes) or weight/prefix pairs (``0.3 a 0.7 b``; from code the
+    weights may also be numbers).
     """
     if blend is None:
         return None
-    words = [word.strip() for word in blend]
+    words = [str(word).strip() for word in blend]
     if not words:
         raise ValueError("the data path list is empty")
     if len(words) % 2 == 0:

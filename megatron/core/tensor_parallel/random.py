@@ -233,10 +233,10 @@ class _CheckpointFunction(torch.autograd.Function):
         saved = [args[i] for i in tensor_positions]
         ctx.distributed_shape = None
         if distribute_saved_activations:
-            # Keep only this rank's share of the first input; backward gathers it again.
+            # The first input itself keeps only this rank's share until backward gathers it
+            # again, so the memory of the whole activation is released (as upstream does).
             ctx.distributed_shape = args[0].shape
-            ctx.first_requires_grad = args[0].requires_grad
-            saved[0] = split_tensor_into_1d_equal_chunks(args[0].detach(), True, group=tp_group)
+            args[0].data = split_tensor_into_1d_equal_chunks(args[0].data, True, group=tp_group)
         ctx.tp_group = tp_group
         ctx.tensor_positions = tensor_positions
         ctx.args = [None if torch.is_tensor(arg) else arg for arg in args]
@@ -252,12 +252,10 @@ class _CheckpointFunction(torch.autograd.Function):
             )
         args = list(ctx.args)
         for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
-            requires_grad = tensor.requires_grad
             if position == 0 and ctx.distributed_shape is not None:
-                tensor = gather_split_1d_tensor(tensor, group=ctx.tp_group)
-                tensor = tensor.view(ctx.distributed_shape)
-                requires_grad = ctx.first_requires_grad
-            args[position] = tensor.detach().requires_grad_(requires_grad)
+                tensor.data = gather_split_1d_tensor(tensor.data, group=ctx.tp_group).view(
+                    ctx.distributed_shape)
+            args[position] = tensor.detach().requires_grad_(tensor.requires_grad)
 
         outer = _RNGSnapshot()
         ctx.rng.restore()

@@ -65,7 +65,8 @@ def split_tensor_into_1d_equal_chunks(
 ) -> torch.Tensor:
     """This rank's equal share of ``tensor`` flattened to 1-D.
 
-    ``new_buffer`` copies the share into fresh memory so the full tensor can be freed.
+    ``new_buffer`` copies the share into fresh memory so the full tensor can be freed; that
+    memory is on the current GPU where there is one (upstream's choice: activations live there).
     """
     group = resolve_tp_group(group)
     size = group_size(group)
@@ -78,7 +79,11 @@ def split_tensor_into_1d_equal_chunks(
     share = numel // size
     start = group_rank(group) * share
     chunk = tensor.reshape(-1)[start : start + share]
-    return chunk.clone() if new_buffer else chunk
+    if not new_buffer:
+        return chunk
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else tensor.device)
+    return chunk.to(device, copy=True)
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor, *, group: Any = None) -> torch.Tensor:

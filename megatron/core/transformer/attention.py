@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.consistency_checks import check_identical_across_ranks
@@ -49,13 +48,16 @@ class Attention(MegatronModule, ABC):
     split their output into query, key and value (``get_query_key_value_tensors``).
 
     ``forward`` returns ``(output, bias)``: the output projection skips its bias add so the
-    layer can fuse it with dropout and the residual add. ``layer_number`` is the 1-based
+    layer can fuse it with dropout and the residual add (``output_bias_in_linear``: the
+    projection adds it, and the bias returned is None; the layer asks for that where nothing
+    would be fused). ``layer_number`` is the 1-based
     global layer index. With ``recompute_granularity='selective'`` the core attention is
     recomputed in backward instead of keeping its activations.
     """
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, *, tp_group: Any = None) -> None:
+                 attention_type: str, *, tp_group: Any = None,
+                 output_bias_in_linear: bool = False) -> None:
         super().__init__(config=config)
         config.require_model_shape(type(self).__name__)
         self.tp_group = checked_tp_group(config, tp_group)
@@ -79,7 +81,7 @@ class Attention(MegatronModule, ABC):
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=separate_output_bias(config),
+            skip_bias_add=not output_bias_in_linear,
             is_expert=False,
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,
@@ -153,9 +155,10 @@ class SelfAttention(Attention):
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         *,
         tp_group: Any = None,
+        output_bias_in_linear: bool = False,
     ) -> None:
         super().__init__(config, submodules, layer_number, attn_mask_type, "self",
-                         tp_group=tp_group)
+                         tp_group=tp_group, output_bias_in_linear=output_bias_in_linear)
 
     def _build_projections(self, submodules: SelfAttentionSubmodules) -> None:
         self.linear_qkv = self._column_parallel(
@@ -237,12 +240,13 @@ class CrossAttention(Attention):
         attn_mask_type: AttnMaskType = AttnMaskType.padding,
         *,
         tp_group: Any = None,
+        output_bias_in_linear: bool = False,
     ) -> None:
         if config.num_query_groups != config.num_attention_heads:
             raise ValueError("CrossAttention: num_query_groups must equal num_attention_heads "
                              "(grouped-query attention is self-attention only)")
         super().__init__(config, submodules, layer_number, attn_mask_type, "cross",
-                         tp_group=tp_group)
+                         tp_group=tp_group, output_bias_in_linear=output_bias_in_linear)
 
     def _build_projections(self, submodules: CrossAttentionSubmodules) -> None:
         self.linear_q = self._column_parallel(submodules.linear_q, self.query_projection_size,

@@ -16,7 +16,6 @@ import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.fusions.fused_bias_activation import bias_activation, fused_bias_activation
-from megatron.core.fusions.fused_bias_dropout import separate_output_bias
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.params import checked_tp_group
 from megatron.core.transformer.sharded_state import gated_halves_factory
@@ -32,7 +31,8 @@ class MLPSubmodules:
 
 class MLP(MegatronModule):
     """``[s, b, h] -> [s, b, h]``; ``forward`` returns ``(output, bias)`` with fc2's bias not
-    yet added, so the layer can fuse it with dropout and the residual add."""
+    yet added, so the layer can fuse it with dropout and the residual add
+    (``output_bias_in_linear``: fc2 adds it, and the bias returned is None)."""
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class MLP(MegatronModule):
         input_size: int | None = None,
         *,
         tp_group: Any = None,
+        output_bias_in_linear: bool = False,
     ) -> None:
         super().__init__(config=config)
         config.require_model_shape(type(self).__name__)
@@ -72,7 +73,7 @@ class MLP(MegatronModule):
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=separate_output_bias(config),
+            skip_bias_add=not output_bias_in_linear,
             is_expert=False,
             tp_comm_buffer_name="fc2",
             tp_group=self.tp_group,

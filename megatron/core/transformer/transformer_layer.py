@@ -12,8 +12,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add, separate_output_bias
+from megatron.core.transformer.attention import (
+    Attention,
+    SelfAttention,
+    SelfAttentionSubmodules,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.layer_assignment import get_transformer_layer_offset
 from megatron.core.transformer.layer_modules import LayerModules
@@ -64,6 +68,10 @@ def layer_submodules(modules: LayerModules, qk_layernorm: bool) -> TransformerLa
     )
 
 
+def _is_subclass(module: Any, base: type) -> bool:
+    return isinstance(module, type) and issubclass(module, base)
+
+
 class TransformerLayer(MegatronModule):
     """``[s, b, h] -> [s, b, h]``; ``forward`` returns ``(hidden_states, context)`` as upstream,
     with ``context`` always None (there is no cross attention).
@@ -89,15 +97,21 @@ class TransformerLayer(MegatronModule):
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.input_layernorm = self._norm(submodules.input_layernorm)
+        # Where the layer would not fuse a sublayer's output bias with dropout and the
+        # residual add, the sublayer's last linear adds it in its epilogue instead.
+        in_linear = {"output_bias_in_linear": not separate_output_bias(config)}
         attention = submodules.self_attention
         self.self_attention = attention.module(
             config, attention.submodules, layer_number=layer_number, tp_group=tp_group,
+            **(in_linear if _is_subclass(attention.module, Attention) else {}),
             **attention.params,
         )
         self.self_attn_bda = submodules.self_attn_bda
         self.pre_mlp_layernorm = self._norm(submodules.pre_mlp_layernorm)
         mlp = submodules.mlp
-        self.mlp = mlp.module(config, mlp.submodules, tp_group=tp_group, **mlp.params)
+        self.mlp = mlp.module(config, mlp.submodules, tp_group=tp_group,
+                              **(in_linear if _is_subclass(mlp.module, MLP) else {}),
+                              **mlp.params)
         self.mlp_bda = submodules.mlp_bda
 
     def _norm(self, build: Optional[Callable]) -> Optional[torch.nn.Module]:
