@@ -14,6 +14,10 @@ each a one-GPU host to NCCL (``tools/launch_nccl_ranks.py``), with ``LOCAL_RANK`
 upstream's ``Utils`` expects; rank 0's junit XML is the result. A session that ends without
 junit XML (a crash, or killed at its deadline) is run again one file per session.
 
+A measurement too long for one sitting (world size 8 on one GPU) can be split: ``--side
+upstream`` or ``--side here`` runs one tree and keeps its junit XML under ``--results DIR``; a
+later call reads the other side from there (and several ``--only`` calls add up).
+
 Printed, per test file: how many tests upstream passes, how many pass here, and each test
 upstream passes that does not pass here, with a one-line reason. Out-of-scope files are listed
 with their reason and not run. Exit status: 0 when the comparison was made, whatever the tests
@@ -565,6 +569,36 @@ def progress(message: str) -> None:
     print(f"upstream_unit_tests: {message}", file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------------- saved results
+
+
+def save_results(result: RunResult, label: str, results_dir: Path, world_size: int) -> None:
+    """Keep the junit XML of ``result``'s sessions under ``results_dir/label``."""
+    target = results_dir / label
+    target.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for index, session in enumerate(result.sessions):
+        if session.junit.is_file():
+            shutil.copyfile(session.junit, target / f"ws{world_size}-{stamp}-{index}.xml")
+
+
+def load_results(label: str, results_dir: Path, world_size: int,
+                 files: Sequence[str]) -> RunResult:
+    """One side's results as saved by earlier calls at this world size, the latest of each test
+    winning; files without any say so."""
+    result = RunResult()
+    for path in sorted((results_dir / label).glob(f"ws{world_size}-*.xml")):
+        collected_before = {rel for rel in result.cases}
+        read_junit(path, files, result)
+        for rel in set(result.cases) - collected_before:
+            result.file_errors.pop(rel, None)  # collected in a later call
+    for rel in files:
+        if rel not in result.cases and rel not in result.file_errors:
+            result.no_result[rel] = (f"no saved {label} result at world size {world_size} in "
+                                     f"{results_dir}")
+    return result
+
+
 # ------------------------------------------------------------------------- comparison
 
 
@@ -726,9 +760,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "a new folder under DIR (default: a temporary folder, removed "
                              "unless the comparison could not be made)")
     parser.add_argument("--echo", action="store_true", help="show pytest's output as it runs")
+    parser.add_argument("--side", choices=("both", "upstream", "here"), default="both",
+                        help="run both trees (default), or one; the other is read from "
+                             "--results")
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="keep each run's junit XML under DIR/<side>, and read the side "
+                             "not run from there")
     args = parser.parse_args(ours)
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
+    if args.side != "both" and args.results is None:
+        parser.error("--side upstream/here needs --results DIR (where the other side is kept)")
     args.extra = extra
     return args
 
@@ -749,11 +791,21 @@ def compatibility_report(args: argparse.Namespace, work_dir: Path) -> str:
         progress("transformer_engine cannot be imported: both runs load "
                  f"{SUPPORT_DIR.name}/{TE_ABSENT_PLUGIN}.py, so upstream's conftest's TE "
                  "version check answers False")
-    upstream = run_tree("upstream", tree, selection.run, layout, work_dir, settings,
-                        reference=True)
-    here = run_tree("here", THIS_TREE, selection.run, layout, work_dir, settings,
-                    reference=False)
-    return format_report(tree, settings, selection, compare(selection.run, upstream, here))
+    trees = {"upstream": tree, "here": THIS_TREE}
+    # The side not run is read first: without upstream's results nothing can be compared.
+    sides = {label: load_results(label, args.results, settings.world_size, selection.run)
+             for label in trees if args.side not in ("both", label)}
+    if "upstream" in sides and all(rel in sides["upstream"].no_result for rel in selection.run):
+        raise HarnessError(f"no upstream result to compare with: run --side upstream with "
+                           f"--results {args.results} first")
+    for label in trees:
+        if label not in sides:
+            sides[label] = run_tree(label, trees[label], selection.run, layout, work_dir,
+                                    settings, reference=label == "upstream")
+            if args.results is not None:
+                save_results(sides[label], label, args.results, settings.world_size)
+    return format_report(tree, settings, selection,
+                         compare(selection.run, sides["upstream"], sides["here"]))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -194,6 +194,25 @@ def test_harness_failure_exits_non_zero(tmp_path):
     assert "holds no megatron/" in not_a_tree.stderr
 
 
+def test_one_side_at_a_time_gives_the_same_report(tmp_path):
+    tree = make_fake_tree(tmp_path / "upstream")
+    scope = tmp_path / "scope.toml"
+    scope.write_text(SCOPE)
+    results = tmp_path / "results"
+    too_early = run_runner(tree, scope, "--side", "here", "--results", str(results))
+    assert too_early.returncode == 2 and "run --side upstream" in too_early.stderr
+    first = run_runner(tree, scope, "--side", "upstream", "--results", str(results))
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = run_runner(tree, scope, "--side", "here", "--results", str(results))
+    assert second.returncode == 0, second.stdout + second.stderr
+    both = run_runner(tree, scope)
+    assert report_lines(second.stdout)["total"] == report_lines(both.stdout)["total"]
+    assert report_lines(second.stdout)["total"].split() == ["total", "7", "4", "3"]
+    assert len(list((results / "upstream").glob("ws1-*.xml"))) == 1
+    no_dir = run_runner(tree, scope, "--side", "here")
+    assert no_dir.returncode == 2 and "--side upstream/here needs --results" in no_dir.stderr
+
+
 def _runner_module():
     spec = importlib.util.spec_from_file_location("upstream_unit_tests",
                                                   ROOT / "tools" / "upstream_unit_tests.py")
