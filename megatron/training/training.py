@@ -8,6 +8,7 @@ NCCL): a layout that would cross or deadlock is refused with the verifier's repo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -220,6 +221,15 @@ def _device(args) -> torch.device:
     return torch.device("cpu")
 
 
+def _precision_of_args(config, args):
+    """``config`` with ``--fp16``/``--bf16`` as the arguments say: the precision the model is
+    wrapped in follows the arguments, as upstream's, also when a model provider built its
+    config without them (the copy is the wrapper's; the model keeps its own)."""
+    if (config.fp16, config.bf16) == (bool(args.fp16), bool(args.bf16)):
+        return config
+    return dataclasses.replace(config, fp16=bool(args.fp16), bf16=bool(args.bf16))
+
+
 def get_model(model_provider_func: Callable, model_type=ModelType.encoder_or_decoder,
               wrap_with_ddp: bool = True) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual stage), on the device, wrapped for DDP."""
@@ -238,7 +248,8 @@ def get_model(model_provider_func: Callable, model_type=ModelType.encoder_or_dec
     device = _device(args)
     chunks = [chunk.to(device) for chunk in chunks]
     if args.fp16 or args.bf16:
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+        chunks = [Float16Module(_precision_of_args(chunk.config, args), chunk)
+                  for chunk in chunks]
     count = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     print(f" > number of parameters on (tensor, pipeline) model parallel rank "
           f"({parallel_state.get_tensor_model_parallel_rank()}, "

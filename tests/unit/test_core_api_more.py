@@ -231,3 +231,54 @@ def test_sublayers_return_their_output_bias_unless_the_layer_asks_otherwise():
     assert layer.self_attention.linear_proj.skip_bias_add is False
     fused = TransformerLayer(small_config(bias_dropout_fusion=True, hidden_dropout=0.1), spec)
     assert fused.mlp.linear_fc2.skip_bias_add is True
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_get_model_wraps_in_the_precision_the_arguments_say(one_rank, monkeypatch):
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+    from tests.support.gpt_support import build_gpt
+
+    args = parse_args(ignore_unknown_args=True, argv=[])
+    args.bf16, args.fp16, args.distributed_backend = True, False, "gloo"
+    args.virtual_pipeline_model_parallel_size = None  # validate_args derives it; tests set it
+    monkeypatch.setattr(training, "get_args", lambda: args)
+    model, = training.get_model(lambda pre_process, post_process: build_gpt(small_config()),
+                                wrap_with_ddp=False)
+    assert isinstance(model, Float16Module) and model.config.bf16
+    assert not model.module.config.bf16  # the provider's own config is left as it was
+    assert all(param.dtype == torch.bfloat16 for param in model.parameters())
+
+
+def test_an_optimizer_without_lr_waits_for_the_scheduler():
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from tests.support.gpt_support import build_gpt
+
+    config = small_config()
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), build_gpt(config))
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=None), [model])  # as upstream allows
+    assert all(group["lr"] is None for group in optimizer.param_groups)
+    with pytest.raises(ValueError, match="no learning rate: OptimizerConfig.lr is None"):
+        optimizer.step()
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=0, lr_decay_steps=10,
+        lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=10,
+        wd_incr_style="constant")
+    scheduler.step(1)
+    # The scheduler's max_lr and min_lr: a tenth of the way from 1e-3 down to 1e-4.
+    assert all(group["lr"] == pytest.approx(1e-3 - 0.9e-3 / 10) for group in optimizer.param_groups)

@@ -49,7 +49,13 @@ __all__ = [
 ]
 
 
-def _check_chunks_match_config(config: OptimizerConfig, model_chunks) -> None:
+def _check_chunks_match_config(config: OptimizerConfig, model_chunks) -> Optional[str]:
+    """Raise where the chunks cannot hold this optimizer's state; return why stepping it would
+    corrupt the model (None when it would not). A plain optimizer over chunks whose DDP shards
+    gradients for a distributed optimizer would step partly reduced gradients, but upstream
+    builds that combination (its tests save and load optimizer state with it), so only
+    ``step()`` refuses it."""
+    refusal = None
     for index, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is None:
@@ -60,17 +66,21 @@ def _check_chunks_match_config(config: OptimizerConfig, model_chunks) -> None:
                         f"OptimizerConfig.{field}=True needs every model chunk wrapped in "
                         f"DistributedDataParallel; chunk {index} is a {type(chunk).__name__}")
         elif ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
-            raise ValueError(
+            mismatch = (
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} "
                 f"but model chunk {index} was wrapped with DistributedDataParallelConfig("
                 f"use_distributed_optimizer={ddp_config.use_distributed_optimizer}); "
                 f"set both the same")
+            if config.use_distributed_optimizer:  # its state lives in the DDP shards
+                raise ValueError(mismatch)
+            refusal = refusal or mismatch
         elif config.overlap_param_gather_with_optimizer_step and not (
                 ddp_config.overlap_param_gather):
             raise ValueError(
                 f"OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs model "
                 f"chunk {index} wrapped with DistributedDataParallelConfig("
                 f"overlap_param_gather=True)")
+    return refusal
 
 
 def _make_grad_scaler(config: OptimizerConfig, device: torch.device) -> MegatronGradScaler | None:
@@ -106,13 +116,10 @@ def get_megatron_optimizer(
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     model_chunks = list(model_chunks)
-    if config.lr is None:
-        raise ValueError("OptimizerConfig.lr must be set to build an optimizer, got None")
-    _check_chunks_match_config(config, model_chunks)
+    step_refusal = _check_chunks_match_config(config, model_chunks)
 
-    min_lr = config.min_lr if config.min_lr is not None else 0.0
     param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
-                                    lr=config.lr, min_lr=min_lr,
+                                    lr=config.lr, min_lr=config.min_lr,
                                     decoupled_lr=config.decoupled_lr,
                                     decoupled_min_lr=config.decoupled_min_lr)
     if not param_groups:
@@ -120,19 +127,25 @@ def get_megatron_optimizer(
     if any(group["is_expert_parallel"] for group in param_groups):
         raise ValueError("parameters with allreduce=False (expert parallel) are not supported "
                          "by this tree")
-    # Usable before a scheduler first sets them (it overwrites both at every step).
+    # Usable before a scheduler first sets them (it overwrites both at every step). Without
+    # config.lr (upstream allows that) the groups have no learning rate until a scheduler gives
+    # them one, and stepping before that is refused; a max_lr or min_lr the config leaves unset
+    # is the scheduler's.
     for group in param_groups:
-        group["lr"] = group["max_lr"] * group["lr_mult"]
+        for bound in ("max_lr", "min_lr"):
+            if group[bound] is None:
+                del group[bound]
+        group["lr"] = group["max_lr"] * group["lr_mult"] if "max_lr" in group else None
         group["weight_decay"] = config.weight_decay * group["wd_mult"]
     device = param_groups[0]["params"][0].device
 
     if config.optimizer == "adam":
-        inner = make_adam(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+        inner = make_adam(param_groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                           torch_only=config.use_precision_aware_optimizer)
         init_state_fn = init_adam_state
     else:
-        inner = make_sgd(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+        inner = make_sgd(param_groups, lr=config.lr or 0.0, weight_decay=config.weight_decay,
                          momentum=config.sgd_momentum)
         init_state_fn = None
 
@@ -154,6 +167,7 @@ def get_megatron_optimizer(
         optimizer = FP32Optimizer(inner, config, init_state_fn)
         optimizer.grad_stats_parallel_group = model_parallel_group
     optimizer.tensor_parallel_group = tensor_parallel_group
+    optimizer.step_refusal = step_refusal
     if config.use_precision_aware_optimizer:
         optimizer.use_flat_adam([buffer for chunk in model_chunks for buffer in chunk.buffers])
     return optimizer

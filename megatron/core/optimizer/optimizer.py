@@ -96,6 +96,8 @@ class MegatronOptimizer(ABC):
         self.optimizer = optimizer
         self.config = config
         self.init_state_fn = init_state_fn
+        # Why step() must not run (a mismatch get_megatron_optimizer tolerates); None: fine.
+        self.step_refusal: str | None = None
         self.grad_stats_parallel_group: Any = None
         self.tensor_parallel_group: Any = None
 
@@ -160,6 +162,12 @@ class MegatronOptimizer(ABC):
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
         """Prepare, clip, count zeros and step; ``(False, None, None)`` when skipped."""
+        if self.step_refusal is not None:
+            raise ValueError(f"refusing to step: {self.step_refusal}")
+        if any(group.get("lr") is None for group in self.param_groups):
+            raise ValueError("the optimizer has no learning rate: OptimizerConfig.lr is None and "
+                             "no OptimizerParamScheduler has set one; set lr, or step the "
+                             "scheduler before the optimizer")
         with timed_phase(self.config, "optimizer-copy-to-main-grad"):
             found_inf = self.prepare_grads()
         if found_inf:
