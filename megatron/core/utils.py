@@ -8,6 +8,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 
@@ -100,3 +101,10 @@ def get_torch_version() -> TorchVersion:
 def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
     installed = get_torch_version()
     return installed >= version if check_equality else installed > version
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective on ``group`` (default: all ranks) must live."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

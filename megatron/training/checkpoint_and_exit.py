@@ -7,11 +7,11 @@ collective), saves first when ``--save`` is set, and says why in upstream's word
 
 from __future__ import annotations
 
+from megatron.core.utils import collective_device
 from megatron.training import progress_log, run_clock
 from megatron.training.global_vars import get_args
 from megatron.training.run_clock import print_datetime
 from megatron.training.timers import get_timers
-from megatron.training.utils import collective_device
 
 
 def save_checkpoint_and_time(iteration: int, model, optimizer, opt_param_scheduler,

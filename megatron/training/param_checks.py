@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.param_attributes import param_is_not_shared
 from megatron.core.tensor_parallel.param_attributes import param_is_not_tensor_parallel_duplicate
-from megatron.training.utils import collective_device
+from megatron.core.utils import collective_device
 
 
 class WeightHashMismatch(RuntimeError):

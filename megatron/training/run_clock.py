@@ -13,7 +13,7 @@ from datetime import datetime
 import torch
 import torch.distributed as dist
 
-from megatron.training.utils import collective_device
+from megatron.core.utils import collective_device
 
 _STARTED = time.time()
 

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training.utils import collective_device
+from megatron.core.utils import collective_device
 
 LOG_OPTIONS = ("max", "minmax", "all")
 MAX_LOG_LEVEL = 2

@@ -28,13 +28,6 @@ def unwrap_model(model, module_instances=ALL_MODULE_WRAPPER_CLASSNAMES):
     return inner if isinstance(model, list) else inner[0]
 
 
-def collective_device(group=None) -> torch.device:
-    """Where a tensor for a collective on ``group`` (default: all ranks) must live."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def is_last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 

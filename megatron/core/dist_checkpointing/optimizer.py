@@ -28,6 +28,17 @@ from megatron.core.dist_checkpointing.mapping import (
 Placed = Union[ShardedTensor, ShardedTensorFactory]
 
 
+def model_entries_by_tensor(model_sharded_state_dict: ShardedStateDict) -> dict[int, Placed]:
+    """``{id(tensor): its sharded entry}`` for the tensors of a model's sharded state dict (the
+    first entry of a tensor held twice, as tied weights are)."""
+    entries: dict[int, Placed] = {}
+    for entry in nested_values(model_sharded_state_dict):
+        if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(
+                entry.data):
+            entries.setdefault(id(entry.data), entry)
+    return entries
+
+
 def get_param_id_to_sharded_param_map(model_sharded_state_dict: ShardedStateDict,
                                       optim_params_iter: Iterable[torch.nn.Parameter]
                                       ) -> dict[int, Placed]:
@@ -35,11 +46,7 @@ def get_param_id_to_sharded_param_map(model_sharded_state_dict: ShardedStateDict
 
     Parameters are matched by identity with the entries' data, so the model's sharded state
     dict must hold the parameters themselves; parameters it lacks are left out of the map."""
-    entry_of_tensor: dict[int, Placed] = {}
-    for entry in nested_values(model_sharded_state_dict):
-        if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(
-                entry.data):
-            entry_of_tensor.setdefault(id(entry.data), entry)
+    entry_of_tensor = model_entries_by_tensor(model_sharded_state_dict)
     return {index: entry_of_tensor[id(param)] for index, param in enumerate(optim_params_iter)
             if id(param) in entry_of_tensor}
 

@@ -20,29 +20,13 @@ from typing import Any
 import torch
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.optimizer import model_entries_by_tensor
+from megatron.core.optimizer.sharded_state import common_step
 
 SHARDING_TYPE = "fully_sharded_model_space"
 STATE_PREFIX = "optimizer.state"
 MAIN_PARAM = "fp32_param"
-
-
-def _model_entries(model_sharded_state_dict: dict) -> dict[int, Any]:
-    entries = {}
-    for entry in nested_values(model_sharded_state_dict):
-        if isinstance(entry, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(
-                entry.data):
-            entries.setdefault(id(entry.data), entry)
-    return entries
-
-
-def _shared_step(optimizer) -> Any:
-    steps = [state["step"] for state in optimizer.optimizer.state.values() if "step" in state]
-    if any(not torch.equal(torch.as_tensor(s), torch.as_tensor(steps[0])) for s in steps[1:]):
-        raise CheckpointingException("the distributed optimizer's step differs between "
-                                     "parameters; the checkpoint keeps one step for all")
-    return torch.as_tensor(steps[0]).item() if steps else None
 
 
 def _flat_entry(entry, key: str, tensor: torch.Tensor, piece, replica_id):
@@ -65,8 +49,11 @@ def distributed_sharded_state_dict(optimizer, model_sharded_state_dict: dict,
             f"layout)")
     if is_loading and optimizer.init_state_fn is not None:
         optimizer.init_state_fn(optimizer.optimizer)
-    entries = _model_entries(model_sharded_state_dict)
-    step = _shared_step(optimizer)
+    entries = model_entries_by_tensor(model_sharded_state_dict)
+    step = common_step([state["step"] for state in optimizer.optimizer.state.values()
+                        if "step" in state])
+    if step is not None:
+        step = torch.as_tensor(step).item()
     groups = []
     for group in optimizer.optimizer.state_dict()["param_groups"]:
         groups.append({**{k: v for k, v in group.items() if k != "params"},

@@ -21,13 +21,12 @@ from typing import Any
 import torch
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import (
-    LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory,
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+from megatron.core.dist_checkpointing.optimizer import (
+    make_sharded_optimizer_tensor,
+    model_entries_by_tensor,
 )
-from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-_PLACED = (ShardedTensor, ShardedTensorFactory)
 COMMON_STEP = "common_step"
 
 
@@ -42,10 +41,7 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict,
     the state first, so that a load has every tensor to fill."""
     if is_loading and optimizer.init_state_fn is not None:
         optimizer.init_state_fn(optimizer.optimizer)
-    entries = {}
-    for entry in nested_values(model_sharded_state_dict):
-        if isinstance(entry, _PLACED) and torch.is_tensor(entry.data):
-            entries.setdefault(id(entry.data), entry)
+    entries = model_entries_by_tensor(model_sharded_state_dict)
     model_of = {id(piece.main): piece.param for piece in optimizer.main_param_pieces()}
 
     def entry_of(main: torch.Tensor):
@@ -66,7 +62,7 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict,
         index: {kind: _as_state(entry_of(mains[index]), value, kind)
                 for kind, value in per_param.items() if kind != "step"}
         for index, per_param in torch_state["state"].items()}
-    step = _common_step(state_dict_steps)
+    step = common_step(state_dict_steps)
     if step is not None:
         torch_state["state"][COMMON_STEP] = step
     torch_state["param_groups"] = [{**group, "params": LocalNonpersistentObject(group["params"])}
@@ -80,7 +76,8 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict,
     return state
 
 
-def _common_step(steps: list):
+def common_step(steps: list):
+    """The one step all parameters have taken (None without any); an error if they differ."""
     if any(not torch.equal(torch.as_tensor(step), torch.as_tensor(steps[0]))
            for step in steps[1:]):
         raise CheckpointingException("the optimizer's step differs between parameters; "

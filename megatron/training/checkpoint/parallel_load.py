@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import collective_device
 from megatron.training.checkpoint.integrity import split_by_size
 from megatron.training.checkpoint.source import CheckpointSource
 
@@ -28,8 +29,7 @@ class ReadOnceSource:
     def __init__(self, source: CheckpointSource, group) -> None:
         self._source, self._group = source, group
         self._size, self._rank = dist.get_world_size(group), dist.get_rank(group)
-        self._device = (torch.device("cuda", torch.cuda.current_device())
-                        if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+        self._device = collective_device(group)
 
     def __getattr__(self, name: str):  # everything but the reads: the source's own
         return getattr(self._source, name)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.utils import collective_device
 
 
 @dataclasses.dataclass
@@ -60,9 +61,7 @@ def _on_every_rank(done: bool, ok: bool) -> tuple[bool, bool]:
     """(done on every rank, ok on every rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return done, ok
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
-    flags = torch.tensor([int(done), int(ok)], dtype=torch.int32, device=device)
+    flags = torch.tensor([int(done), int(ok)], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return bool(flags[0].item()), bool(flags[1].item())
 
