@@ -1,6 +1,6 @@
 """Run upstream Megatron-LM's own unit tests against upstream and against this tree; compare.
 
-    tools/upstream_unit_tests.sh UPSTREAM_TREE [--world-size N] [--only PATTERN] [-- PYTEST_ARGS]
+    tools/upstream_unit_tests.sh UPSTREAM_TREE [--world-size N] [--only PATTERN]... [-- PYTEST_ARGS]
 
 UPSTREAM_TREE is a checkout of NVIDIA/Megatron-LM at core_v0.11.0 (its ``megatron`` and
 ``tests/unit_tests``). The test files declared in scope by ``tools/upstream_unit_tests_scope.toml``
@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -42,7 +43,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 try:
     import tomllib
@@ -159,21 +160,20 @@ def classify(files: Sequence[str], scope: Scope) -> Selection:
     return selection
 
 
-def matches(rel: str, pattern: Optional[str]) -> bool:
-    """``--only``: a glob when the pattern has wildcards, else a substring."""
-    if not pattern:
+def matches(rel: str, patterns: Sequence[str]) -> bool:
+    """``--only``: each pattern a glob when it has wildcards, else a substring; any may match."""
+    if not patterns:
         return True
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatch(rel, pattern)
-    return pattern in rel
+    return any(fnmatch.fnmatch(rel, p) if any(c in p for c in "*?[") else p in rel
+               for p in patterns)
 
 
-def narrow(selection: Selection, pattern: Optional[str]) -> Selection:
-    narrowed = Selection([f for f in selection.run if matches(f, pattern)],
-                         {f: r for f, r in selection.out_of_scope.items() if matches(f, pattern)},
-                         [f for f in selection.undeclared if matches(f, pattern)])
+def narrow(selection: Selection, patterns: Sequence[str]) -> Selection:
+    narrowed = Selection([f for f in selection.run if matches(f, patterns)],
+                         {f: r for f, r in selection.out_of_scope.items() if matches(f, patterns)},
+                         [f for f in selection.undeclared if matches(f, patterns)])
     if not narrowed.run:
-        raise HarnessError(f"no in-scope test file matches --only {pattern!r}")
+        raise HarnessError(f"no in-scope test file matches --only {' '.join(patterns)}")
     return narrowed
 
 
@@ -298,6 +298,7 @@ class RunSettings:
     file_timeout_s: float
     grace_s: float
     echo: bool
+    session_per_file: bool = False  # skip the all-files session
     te_absent: bool = False  # load SUPPORT_DIR's te_absent plugin in both runs
 
 
@@ -502,8 +503,11 @@ def read_junit(path: Path, files: Sequence[str], result: RunResult) -> None:
 
 
 def run_tree(label: str, tree: Path, files: Sequence[str], layout: Path, work_dir: Path,
-             settings: RunSettings, reference: bool) -> RunResult:
-    """All files in one session; those a session left without junit XML, one per session.
+             settings: RunSettings, reference: bool,
+             keep: Callable[[Session], None] = lambda session: None) -> RunResult:
+    """All files in one session; those a session left without junit XML, one per session
+    (every file so with ``settings.session_per_file``). ``keep`` is given each session as it
+    ends, so that what finished is kept should the run be stopped.
 
     The reference run (upstream's) must give results: when pytest cannot start there, or no
     session gives junit XML, the comparison cannot be made. For this tree, the same is a
@@ -512,29 +516,46 @@ def run_tree(label: str, tree: Path, files: Sequence[str], layout: Path, work_di
     check_imports(settings.python, layout, env, tree)
     result = RunResult()
     progress(f"{label}: {_files(len(files))}, world size {settings.world_size} ...")
-    session = run_session(settings, files, layout, env, work_dir / label / "all",
-                          settings.timeout_s)
-    _absorb(session, files, result, label)
+    if settings.session_per_file:
+        session = _per_file(label, files, layout, env, work_dir, settings, result, keep)
+    else:
+        session = run_session(settings, files, layout, env, work_dir / label / "all",
+                              settings.timeout_s)
+        _absorb(session, files, result, label, keep)
     if session.returncode in PYTEST_HARNESS_CODES:
         if reference:
             raise HarnessError(f"{label}: {result.no_result[files[0]]} (see --extra-path for "
                                f"packages upstream needs; log {session.log})")
         return result
-    if not session.junit.is_file():
+    if not session.junit.is_file() and not settings.session_per_file:
         progress(f"{label}: no junit XML ({session.describe()}); one session per file now")
-        for i, rel in enumerate(files):
-            one = run_session(settings, [rel], layout, env, work_dir / label / f"file{i}",
-                              settings.file_timeout_s)
-            _absorb(one, [rel], result, label)
+        _per_file(label, files, layout, env, work_dir, settings, result, keep)
     if reference and all(rel in result.no_result for rel in files):
         raise HarnessError(f"{label}: no pytest session gave a result; see {session.log}")
     return result
 
 
-def _absorb(session: Session, files: Sequence[str], result: RunResult, label: str) -> None:
+def _per_file(label, files, layout, env, work_dir, settings, result, keep) -> Session:
+    """One session per file; returns the first, or the one pytest could not start in."""
+    first = None
+    for i, rel in enumerate(files):
+        one = run_session(settings, [rel], layout, env, work_dir / label / f"file{i}",
+                          settings.file_timeout_s)
+        _absorb(one, [rel], result, label, keep)
+        first = first or one
+        if one.returncode in PYTEST_HARNESS_CODES:
+            return one
+    return first
+
+
+def _absorb(session: Session, files: Sequence[str], result: RunResult, label: str,
+            keep: Callable[[Session], None]) -> None:
     result.sessions.append(session)
+    keep(session)
     if session.junit.is_file():
         read_junit(session.junit, files, result)
+        for rel in files:  # an earlier session that left none is superseded
+            result.no_result.pop(rel, None)
         progress(f"{label}: {session.describe()}: {session.summary_line()}")
         return
     if session.returncode in PYTEST_HARNESS_CODES:
@@ -572,14 +593,21 @@ def progress(message: str) -> None:
 # ------------------------------------------------------------------------- saved results
 
 
-def save_results(result: RunResult, label: str, results_dir: Path, world_size: int) -> None:
-    """Keep the junit XML of ``result``'s sessions under ``results_dir/label``."""
+def results_keeper(label: str, results_dir: Optional[Path],
+                   world_size: int) -> Callable[[Session], None]:
+    """Something that keeps each session's junit XML under ``results_dir/label`` as the session
+    ends (nothing without a ``results_dir``)."""
+    if results_dir is None:
+        return lambda session: None
     target = results_dir / label
     target.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for index, session in enumerate(result.sessions):
+    index = itertools.count()
+
+    def keep(session: Session) -> None:
         if session.junit.is_file():
-            shutil.copyfile(session.junit, target / f"ws{world_size}-{stamp}-{index}.xml")
+            shutil.copyfile(session.junit, target / f"ws{world_size}-{stamp}-{next(index)}.xml")
+    return keep
 
 
 def load_results(label: str, results_dir: Path, world_size: int,
@@ -728,14 +756,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ours = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        usage="upstream_unit_tests.sh UPSTREAM_TREE [--world-size N] [--only PATTERN] "
+        usage="upstream_unit_tests.sh UPSTREAM_TREE [--world-size N] [--only PATTERN]... "
               "[options] [-- PYTEST_ARGS...]")
     parser.add_argument("upstream_tree", type=Path, help="a Megatron-LM core_v0.11.0 checkout")
     parser.add_argument("--world-size", type=int, default=1,
                         help="ranks; above 1 they share this machine's GPU (default 1)")
-    parser.add_argument("--only", metavar="PATTERN",
+    parser.add_argument("--only", metavar="PATTERN", action="append", default=[],
                         help="in-scope files to run: a glob, or a substring of their path "
-                             "relative to tests/unit_tests")
+                             "relative to tests/unit_tests; repeatable (any may match)")
     parser.add_argument("--scope", type=Path, default=DEFAULT_SCOPE,
                         help=f"the scope file (default {DEFAULT_SCOPE.relative_to(THIS_TREE)})")
     parser.add_argument("--python", default=sys.executable,
@@ -750,8 +778,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timeout-seconds", type=float, default=3600.0,
                         help="deadline of the session that runs all files (default 3600)")
     parser.add_argument("--file-timeout-seconds", type=float, default=900.0,
-                        help="deadline of each one-file session after a session gave no "
-                             "result (default 900)")
+                        help="deadline of each one-file session (after a session gave no "
+                             "result, or with --session-per-file; default 900)")
+    parser.add_argument("--session-per-file", action="store_true",
+                        help="run each file in a session of its own from the start (at world "
+                             "size 8 one rank that dies ends the all-files session; a file's "
+                             "session is limited by --file-timeout-seconds)")
     parser.add_argument("--grace-seconds", type=float, default=300.0,
                         help="at world size > 1, how long the other ranks may run on after "
                              "one has ended with a non-zero status (default 300)")
@@ -783,7 +815,8 @@ def compatibility_report(args: argparse.Namespace, work_dir: Path) -> str:
     selection = narrow(classify(test_files(unit_dir), scope), args.only)
     settings = RunSettings(args.python, [p.resolve() for p in args.extra_path], args.world_size,
                            scope.markers, args.extra, args.timeout_seconds,
-                           args.file_timeout_seconds, args.grace_seconds, args.echo)
+                           args.file_timeout_seconds, args.grace_seconds, args.echo,
+                           args.session_per_file)
     layout = make_layout(tree, work_dir)
     settings.te_absent = transformer_engine_absent(settings.python, layout,
                                                    tree_environment(tree, settings.extra_path))
@@ -800,10 +833,9 @@ def compatibility_report(args: argparse.Namespace, work_dir: Path) -> str:
                            f"--results {args.results} first")
     for label in trees:
         if label not in sides:
+            keep = results_keeper(label, args.results, settings.world_size)
             sides[label] = run_tree(label, trees[label], selection.run, layout, work_dir,
-                                    settings, reference=label == "upstream")
-            if args.results is not None:
-                save_results(sides[label], label, args.results, settings.world_size)
+                                    settings, reference=label == "upstream", keep=keep)
     return format_report(tree, settings, selection,
                          compare(selection.run, sides["upstream"], sides["here"]))
 

@@ -2,7 +2,7 @@
 # Run upstream Megatron-LM core_v0.11.0's in-scope unit tests against upstream and against this
 # tree, and print per test file what upstream passes that this tree does not:
 #
-#   tools/upstream_unit_tests.sh UPSTREAM_TREE [--world-size N] [--only PATTERN] [-- PYTEST_ARGS...]
+#   tools/upstream_unit_tests.sh UPSTREAM_TREE [--world-size N] [--only PATTERN]... [-- PYTEST_ARGS...]
 #
 # The scope is tools/upstream_unit_tests_scope.toml; --help lists the other options. Python:
 # $PYTHON, else this tree's .venv, else python3. Exit status 0 whatever the tests did, 2 when

@@ -235,3 +235,35 @@ def test_most_specific_declaration_wins_and_reasons_are_one_line():
     assert runner.reason_of(setup_error) == "in setup: RuntimeError: no GPU"
     failure = ET.fromstring('<failure message="AssertionError: x&#10;assert 1 == 2">t</failure>')
     assert runner.reason_of(failure) == "AssertionError: x"
+
+
+def test_only_is_repeatable_and_any_pattern_selects():
+    runner = _runner_module()
+    selection = runner.Selection(["test_a.py", "sub/test_b.py", "sub/test_c.py"], {}, [])
+    assert runner.narrow(selection, []).run == selection.run
+    assert runner.narrow(selection, ["test_a", "sub/*_c.py"]).run == ["test_a.py", "sub/test_c.py"]
+    with pytest.raises(runner.HarnessError, match="no in-scope test file matches --only zz qq"):
+        runner.narrow(selection, ["zz", "qq"])
+
+
+@pytest.mark.parametrize("per_file", [False, True])
+def test_a_session_that_dies_is_rerun_file_by_file(tmp_path, per_file):
+    """One test ends its process: the all-files session leaves no junit XML, so each file runs
+    in a session of its own (from the start with --session-per-file); the others' results
+    count, the dying file has none."""
+    tree = make_fake_tree(tmp_path / "upstream")
+    (tree / "tests/unit_tests/test_exits.py").write_text(
+        "import os\n\ndef test_exit():\n    os._exit(70)\n")
+    scope = tmp_path / "scope.toml"
+    scope.write_text(SCOPE.replace('"test_env.py"]', '"test_env.py", "test_exits.py"]'))
+    results = tmp_path / "results"
+    done = run_runner(tree, scope, "--results", str(results),
+                      *(["--session-per-file"] if per_file else []))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = report_lines(done.stdout)
+    assert lines["test_shared.py"].split() == ["test_shared.py", "1", "1", "0"]
+    assert lines["sub/test_name_missing.py"].split() == ["sub/test_name_missing.py", "3", "2", "1"]
+    assert lines["test_exits.py"].split()[1:3] == ["-", "-"]
+    assert ("one session per file now" in done.stderr) != per_file
+    for side in ("upstream", "here"):  # kept as each session ended: 4 files gave junit XML
+        assert len(list((results / side).glob("ws1-*.xml"))) == 4
