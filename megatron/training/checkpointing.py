@@ -116,11 +116,20 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     job = save_job.SaveJob(partial, final, args.save, iteration, planned)
     if not args.async_save:
         job.run()
+        _settle(optimizer)
         return
     job.start()
+    _settle(optimizer)  # the job keeps what it still has to write
     pending.set_pending(job)
     print_rank_0(f"  scheduled an async checkpoint save at iteration {iteration:7d} to "
                  f"{args.save}")
+
+
+def _settle(optimizer) -> None:
+    """Low-precision optimizer state was read or written through fp32 copies: store them back
+    and free them now rather than at the next step."""
+    if optimizer is not None:
+        optimizer.settle_state()
 
 
 def _remove_partials(root: str) -> None:
@@ -236,7 +245,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         source = read_once(source, parallel_state.get_data_parallel_group()
                            if dist.is_initialized() else None)
     if not layout_free:  # upstream's torch or torch_dist
-        return load_upstream_checkpoint(model, optimizer, opt_param_scheduler, source, args)
+        loaded = load_upstream_checkpoint(model, optimizer, opt_param_scheduler, source, args)
+        _settle(optimizer)
+        return loaded
     common, iteration = source.common, source.iteration
     same_layout = _check_compatible(source.args, args, path)
     load_model_tensors(model, source)
@@ -246,6 +257,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         return 0, 0
     if not args.no_load_optim:
         _load_optimizer(source, model, optimizer, same_layout)
+        _settle(optimizer)
         restore_scheduler(opt_param_scheduler, source)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")

@@ -11,6 +11,10 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.activations import openai_gelu, squared_relu
 
+# Upstream's names for optimizer-state dtypes (its flag parsing maps fp8 to torch.uint8).
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                "fp8": torch.uint8}
+
 
 def _activation_func(args: argparse.Namespace):
     # validate_args lets at most one of these flags through.
@@ -103,6 +107,8 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        exp_avg_dtype=STATE_DTYPES[args.exp_avg_dtype],
+        exp_avg_sq_dtype=STATE_DTYPES[args.exp_avg_sq_dtype],
         overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
         clip_grad=args.clip_grad, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
 

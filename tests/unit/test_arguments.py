@@ -1,6 +1,7 @@
 """Command-line arguments: upstream flag names, typed configs, errors that name the flags."""
 
 import pytest
+import torch
 
 from megatron.training.arguments import (
     ArgumentError, agreement_items, config_from_args, parse_args, validate_args,
@@ -145,6 +146,10 @@ def test_upstream_flag_spellings_and_negations(world):
     (["--load", "x", "--ckpt-step", "-1"], "an iteration >= 0"),
     (["--variable-seq-length-multiple", "0"], "--variable-seq-length-multiple must be at least 1"),
     (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --bf16 or --fp16"),
+    (["--bf16", "--exp-avg-dtype", "fp16"], "--exp-avg-dtype fp16 needs "
+                                             "--use-precision-aware-optimizer"),
+    (["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+     "bf16 main gradients are not implemented yet"),
 ])
 def test_more_inconsistent_flags(world, argv, message):
     world(1)
@@ -211,6 +216,11 @@ def test_precision_aware_optimizer_reaches_the_optimizer_config(world):
     assert optimizer_config_from_args(args).use_precision_aware_optimizer is True
     assert optimizer_config_from_args(validate_args(parsed("--bf16"))) \
         .use_precision_aware_optimizer is False
+    low = validate_args(parsed("--fp16", "--use-precision-aware-optimizer", "--exp-avg-dtype",
+                               "fp8", "--exp-avg-sq-dtype", "fp16"))
+    assert low.accumulate_allreduce_grads_in_fp32  # the flat Adam reads fp32 gradients
+    config = optimizer_config_from_args(low)
+    assert (config.exp_avg_dtype, config.exp_avg_sq_dtype) == (torch.uint8, torch.float16)
 
 
 @pytest.mark.parametrize("flags,message", [

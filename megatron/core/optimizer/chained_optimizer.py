@@ -169,6 +169,10 @@ class ChainedOptimizer(MegatronOptimizer):
         for member in self.chained_optimizers:
             member.reload_model_params()
 
+    def settle_state(self) -> None:
+        for member in self.chained_optimizers:
+            member.settle_state()
+
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            **kwargs):
         """The member's own with one member; else each member's by position, its keys under

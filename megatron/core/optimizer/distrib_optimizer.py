@@ -255,7 +255,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         checkpoint to a different data-parallel size is not supported.
         """
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._torch_state_dict(),
             "shard_main_params": [[main for param, _, main in entries
                                    if param.dtype in HALF_DTYPES]
                                   for entries in self.shard_groups],

@@ -14,21 +14,38 @@ views of the flat moments and of one flat step tensor, in torch AdamW's own form
 checkpoints and ``state_dict()`` see nothing new. A load that replaces state tensors is
 noticed at the next step and copied into the flat storage.
 
+The moments may instead be kept in fp16 or fp8 (``exp_avg_dtype`` / ``exp_avg_sq_dtype``),
+each parameter's with a power-of-two scale (``low_precision``). The optimizer's state then maps
+``exp_avg`` / ``exp_avg_sq`` to fp32 copies made when first read; whatever a reader or a
+checkpoint load leaves in them is stored back, scaled, by ``settle()``, which the next step
+calls first and checkpoint saves and loads call when done (so the copies do not outlive them).
+
 The update is torch's AdamW (decoupled weight decay, bias-corrected moments); the gradient is
 divided by the optimizer's ``grad_scale`` when one is set, as in torch's fused kernel. On CUDA
-it is one Triton kernel per region, launched over the blocks that lie whole inside a parameter
-(aligned, so their accesses vectorise) and then over the parameters' heads and tails; elsewhere
-the same arithmetic runs as torch operations per parameter.
+with fp32 moments it is one Triton kernel per region, launched over the blocks that lie whole
+inside a parameter (aligned, so their accesses vectorise) and then over the parameters' heads
+and tails; elsewhere, and with scaled moments, the same arithmetic runs as torch operations per
+parameter.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
+
+from megatron.core.optimizer.low_precision import (
+    MOMENT_STORAGE,
+    dequantize,
+    is_scaled,
+    quantize_into,
+)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -126,7 +143,9 @@ class FlatAdamW:
     block_size = 4096
 
     def __init__(self, torch_optimizer: torch.optim.Optimizer,
-                 locations: Sequence[MainLocation], regions: Sequence[tuple[object, int, int]]):
+                 locations: Sequence[MainLocation], regions: Sequence[tuple[object, int, int]],
+                 exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32):
         if not isinstance(torch_optimizer, torch.optim.AdamW):
             raise TypeError("the flat Adam steps a torch.optim.AdamW's parameters, got a "
                             f"{type(torch_optimizer).__name__}")
@@ -136,33 +155,50 @@ class FlatAdamW:
         if torch_optimizer.state:
             raise ValueError("the flat Adam must be set up before the optimizer's first step")
         self.optimizer = torch_optimizer
-        spans = self._make_regions(regions)
+        self.storage = {}
+        for kind, dtype in zip(MOMENTS, (exp_avg_dtype, exp_avg_sq_dtype)):
+            if dtype not in MOMENT_STORAGE:
+                raise ValueError(f"the flat Adam keeps {kind} in fp32, fp16 or fp8, not {dtype}")
+            self.storage[kind] = MOMENT_STORAGE[dtype]
+        self.scaled = any(is_scaled(dtype) for dtype in self.storage.values())
+        spans = self._make_regions(regions, self.storage)
         self.regions = [region for per_buffer in spans.values() for _, _, region in per_buffer]
         device = self.regions[0].main.device if self.regions else torch.device("cpu")
         self.steps = torch.zeros(len(locations), dtype=torch.float32, device=device)
+        # Per entry, the power-of-two scales of its exp_avg and exp_avg_sq (1 where unscaled).
+        self.scales = torch.ones(len(locations), len(MOMENTS), dtype=torch.float32, device=device)
+        self._copies: dict[tuple[int, str], torch.Tensor] = {}  # fp32 copies handed out
         group_of = {id(p): index for index, group in enumerate(torch_optimizer.param_groups)
                     for p in group["params"]}
         self.entries = [self._move_into_region(index, location, spans, group_of)
                         for index, location in enumerate(locations)]
         self._bind_state()
-        self._kernel = _triton_kernel() if device.type == "cuda" else None
+        self._kernel = _triton_kernel() if device.type == "cuda" and not self.scaled else None
         if self._kernel is not None:
             self._build_chunks()
 
     @staticmethod
     @torch.no_grad()
-    def _make_regions(regions) -> dict[int, list[tuple[int, int, _Region]]]:
+    def _make_regions(regions, storage: dict[str, torch.dtype]
+                      ) -> dict[int, list[tuple[int, int, _Region]]]:
         """Per buffer (by id), its regions as (lo, hi, region), sorted by lo."""
         spans: dict[int, list[tuple[int, int, _Region]]] = {}
         for buffer, lo, hi in regions:
+            if buffer.grad_data.dtype != torch.float32:
+                raise ValueError(
+                    f"the flat Adam (use_precision_aware_optimizer) reads the gradients where "
+                    f"DDP reduced them, so they must be fp32: build DDP with "
+                    f"grad_reduce_in_fp32=True (--accumulate-allreduce-grads-in-fp32), got "
+                    f"{buffer.grad_data.dtype} gradients")
             buffer.ensure_param_data()
             device = buffer.grad_data.device
 
-            def zeros():
-                return torch.zeros(hi - lo, dtype=torch.float32, device=device)
+            def zeros(dtype=torch.float32):
+                return torch.zeros(hi - lo, dtype=dtype, device=device)
 
             region = _Region(grad=buffer.grad_data[lo:hi], model=buffer.param_data[lo:hi],
-                             main=zeros(), exp_avg=zeros(), exp_avg_sq=zeros())
+                             main=zeros(), exp_avg=zeros(storage["exp_avg"]),
+                             exp_avg_sq=zeros(storage["exp_avg_sq"]))
             spans.setdefault(id(buffer), []).append((lo, hi, region))
         for per_buffer in spans.values():
             per_buffer.sort(key=lambda span: span[0])
@@ -193,31 +229,74 @@ class FlatAdamW:
 
     # ------------------------------------------------------------ state in torch's format
 
+    def _state_of(self, index: int):
+        entry = self.entries[index]
+        if self.scaled:
+            return _ScaledEntryState(self, index)
+        return {"step": entry.step, "exp_avg": entry.exp_avg, "exp_avg_sq": entry.exp_avg_sq}
+
     def _bind_state(self) -> None:
-        for entry in self.entries:
-            self.optimizer.state[entry.main] = {"step": entry.step, "exp_avg": entry.exp_avg,
-                                                "exp_avg_sq": entry.exp_avg_sq}
+        for index, entry in enumerate(self.entries):
+            self.optimizer.state[entry.main] = self._state_of(index)
+
+    def moment(self, index: int, kind: str) -> torch.Tensor:
+        """Entry ``index``'s ``kind`` in fp32: the flat storage itself, or a copy kept until
+        ``settle()`` stores it back."""
+        entry = self.entries[index]
+        stored = getattr(entry, kind)
+        if not is_scaled(stored.dtype):
+            return stored
+        key = (index, kind)
+        if key not in self._copies:
+            self._copies[key] = dequantize(stored, self.scales[index, MOMENTS.index(kind)])
+        return self._copies[key]
+
+    def set_moment(self, index: int, kind: str, value) -> None:
+        entry = self.entries[index]
+        stored = getattr(entry, kind)
+        value = torch.as_tensor(value)
+        if not is_scaled(stored.dtype):
+            stored.copy_(value)
+        else:  # kept as given (a reader may still write into it), stored by settle()
+            self._copies[(index, kind)] = value.to(device=stored.device,
+                                                   dtype=torch.float32).view(stored.shape)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Store the fp32 copies handed out since the last call back into the scaled moments,
+        and drop them."""
+        for index, kind in list(self._copies):
+            self._store(index, kind)
+
+    def _store(self, index: int, kind: str) -> None:
+        value = self._copies.pop((index, kind), None)
+        if value is not None:
+            stored = getattr(self.entries[index], kind)
+            self.scales[index, MOMENTS.index(kind)] = quantize_into(
+                stored, value, keep_positive=kind == "exp_avg_sq")
 
     @torch.no_grad()
     def _adopt_replaced_state(self) -> None:
         """Copy state that a load put into new tensors back into the flat storage."""
         state = self.optimizer.state
-        for entry in self.entries:
+        for index, entry in enumerate(self.entries):
             current = state.get(entry.main)
-            if (current is not None and current.get("exp_avg") is entry.exp_avg
-                    and current.get("exp_avg_sq") is entry.exp_avg_sq
-                    and current.get("step") is entry.step):
+            if self._is_bound(current, index):
                 continue
-            if current:
-                entry.exp_avg.copy_(current["exp_avg"])
-                entry.exp_avg_sq.copy_(current["exp_avg_sq"])
-                entry.step.copy_(torch.as_tensor(current["step"], dtype=torch.float32))
-            else:
-                entry.exp_avg.zero_()
-                entry.exp_avg_sq.zero_()
-                entry.step.zero_()
-            state[entry.main] = {"step": entry.step, "exp_avg": entry.exp_avg,
-                                 "exp_avg_sq": entry.exp_avg_sq}
+            for kind in MOMENTS:
+                self.set_moment(index, kind, current[kind] if current else
+                                torch.zeros(entry.main.shape))
+            entry.step.copy_(torch.as_tensor(current["step"] if current else 0.0,
+                                             dtype=torch.float32))
+            state[entry.main] = self._state_of(index)
+
+    def _is_bound(self, current, index: int) -> bool:
+        if isinstance(current, _ScaledEntryState):
+            return current.flat is self and current.index == index
+        entry = self.entries[index]
+        return (current is not None and current.get("exp_avg") is entry.exp_avg
+                and current.get("exp_avg_sq") is entry.exp_avg_sq
+                and current.get("step") is entry.step)
 
     # ------------------------------------------------------------ the step
 
@@ -253,6 +332,7 @@ class FlatAdamW:
         if not self.entries:
             return
         self._adopt_replaced_state()
+        self.settle()
         self.steps.add_(1)
         hyper = self._hyperparameters()
         if self._kernel is None:
@@ -275,17 +355,52 @@ class FlatAdamW:
     def _step_with_torch(self, hyper: list[tuple[float, ...]],
                          grad_scale: torch.Tensor | None) -> None:
         steps = self.steps.tolist()
-        for entry, step in zip(self.entries, steps):
+        for index, (entry, step) in enumerate(zip(self.entries, steps)):
             lr, weight_decay, beta1, beta2, eps = hyper[entry.group]
             numel = entry.main.numel()
             grad = entry.region.grad[entry.offset:entry.offset + numel].view(entry.main.shape)
             if grad_scale is not None:
                 grad = grad / grad_scale
+            exp_avg, exp_avg_sq = (self.moment(index, kind) for kind in MOMENTS)
             entry.main.mul_(1.0 - lr * weight_decay)
-            entry.exp_avg.lerp_(grad, 1.0 - beta1)
-            entry.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            exp_avg.lerp_(grad, 1.0 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
             correction2_sqrt = (1.0 - beta2 ** step) ** 0.5
-            denom = (entry.exp_avg_sq.sqrt() / correction2_sqrt).add_(eps)
-            entry.main.addcdiv_(entry.exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
+            denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(eps)
+            entry.main.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
             model = entry.region.model[entry.offset:entry.offset + numel]
             model.copy_(entry.main.reshape(-1))
+            for kind in MOMENTS:  # one parameter's fp32 copies at a time
+                self._store(index, kind)
+
+
+class _ScaledEntryState(MutableMapping):
+    """One parameter's state in torch AdamW's format where the moments are scaled: ``step``
+    is the flat step count, the moments fp32 copies (``FlatAdamW.moment``)."""
+
+    def __init__(self, flat: FlatAdamW, index: int):
+        self.flat, self.index = flat, index
+
+    def __getitem__(self, key: str):
+        if key == "step":
+            return self.flat.entries[self.index].step
+        if key in MOMENTS:
+            return self.flat.moment(self.index, key)
+        raise KeyError(key)
+
+    def __setitem__(self, key: str, value) -> None:
+        if key == "step":
+            self.flat.entries[self.index].step.copy_(torch.as_tensor(value, dtype=torch.float32))
+        elif key in MOMENTS:
+            self.flat.set_moment(self.index, key, value)
+        else:
+            raise KeyError(f"the flat Adam keeps no optimizer state {key!r}")
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("the flat Adam's optimizer state cannot be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("step",) + MOMENTS)
+
+    def __len__(self) -> int:
+        return 1 + len(MOMENTS)

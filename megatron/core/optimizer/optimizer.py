@@ -250,6 +250,17 @@ class MegatronOptimizer(ABC):
     def load_state_dict(self, state_dict: dict) -> None:
         ...
 
+    def _torch_state_dict(self) -> dict:
+        """The torch optimizer's ``state_dict()`` with each parameter's state a plain dict (the
+        flat Adam's scaled state is a mapping of its own)."""
+        state = self.optimizer.state_dict()
+        state["state"] = {key: dict(value) for key, value in state["state"].items()}
+        return state
+
+    def settle_state(self) -> None:
+        """Let go of fp32 copies of low-precision optimizer state that state readers (a
+        checkpoint save or load) were handed, storing back what they wrote."""
+
     @property
     def state(self):
         return self.optimizer.state
@@ -301,7 +312,7 @@ class FP32Optimizer(MegatronOptimizer):
         return [MainParamPiece(p, p, 0, p.numel()) for p in self.get_parameters()]
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        return self._torch_state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(restore_common_step(state_dict))
@@ -331,7 +342,13 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         """Step with :class:`FlatAdamW` over ``buffers`` (the model chunks' DDP buffers) from
         now on; before the first step."""
         self.flat_adam = FlatAdamW(self.optimizer, self._main_locations(buffers),
-                                   self._flat_regions(buffers))
+                                   self._flat_regions(buffers),
+                                   exp_avg_dtype=self.config.exp_avg_dtype,
+                                   exp_avg_sq_dtype=self.config.exp_avg_sq_dtype)
+
+    def settle_state(self) -> None:
+        if self.flat_adam is not None:
+            self.flat_adam.settle()
 
     @abstractmethod
     def _main_locations(self, buffers: Sequence[ParamAndGradBuffer]) -> list[MainLocation]:
@@ -484,7 +501,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                          for group in self.fp32_from_fp32_groups for p in group]
 
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict(),
+        state = {"optimizer": self._torch_state_dict(),
                  "fp32_from_fp16_params": self.fp32_from_float16_groups}
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()

@@ -7,14 +7,17 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.core.optimizer.low_precision import MOMENT_STORAGE
+
 # Fields that must keep their neutral value in this tree, and why.
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
-    "main_grads_dtype": (torch.float32, "main gradients are always fp32"),
-    "main_params_dtype": (torch.float32, "main parameters are always fp32"),
-    "exp_avg_dtype": (torch.float32, "Adam state is always fp32"),
-    "exp_avg_sq_dtype": (torch.float32, "Adam state is always fp32"),
+    "main_grads_dtype": (torch.float32, "main gradients are fp32 (bf16 ones are not "
+                         "implemented yet)"),
+    "main_params_dtype": (torch.float32, "main parameters are fp32 (fp16 ones are not "
+                          "implemented yet)"),
     "config_logger_dir": ("", "config logging is not implemented"),
 }
+_MOMENT_DTYPES = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd")
 
@@ -46,16 +49,18 @@ class OptimizerConfig:
     """dtype the model parameters were created in."""
     use_precision_aware_optimizer: bool = False
     """Adam (with fp16/bf16) keeps its fp32 main parameters and moments in flat tensors laid
-    out like the DDP buffers and writes the model's weights in the same pass (the state stays
-    fp32: the *_dtype fields below must keep their defaults)."""
+    out like the DDP buffers and writes the model's weights in the same pass; the moments may
+    be kept in fp16 or fp8 (below)."""
     main_grads_dtype: torch.dtype = torch.float32
     """Must stay fp32."""
     main_params_dtype: torch.dtype = torch.float32
     """Must stay fp32."""
     exp_avg_dtype: torch.dtype = torch.float32
-    """Must stay fp32."""
+    """With use_precision_aware_optimizer: fp32, fp16, or fp8 (torch.uint8 as upstream names
+    it, or torch.float8_e4m3fn), each parameter's moment with a power-of-two scale
+    (``low_precision``)."""
     exp_avg_sq_dtype: torch.dtype = torch.float32
-    """Must stay fp32."""
+    """As exp_avg_dtype (a positive value is never stored as zero)."""
 
     # ---- loss scaling
     loss_scale: Optional[float] = None
@@ -104,6 +109,15 @@ class OptimizerConfig:
                     f"OptimizerConfig.{name}={value!r} is not supported by this tree: "
                     f"{reason}; keep it {neutral!r}"
                 )
+        for name in _MOMENT_DTYPES:
+            value = getattr(self, name)
+            if value not in MOMENT_STORAGE:
+                raise ValueError(f"OptimizerConfig.{name} must be torch.float32, torch.float16 "
+                                 f"or fp8 (torch.uint8 / torch.float8_e4m3fn), got {value!r}")
+            if value != torch.float32 and not self.use_precision_aware_optimizer:
+                raise ValueError(f"OptimizerConfig.{name}={value!r} needs "
+                                 f"use_precision_aware_optimizer=True (the flat Adam keeps "
+                                 f"low-precision moments)")
         if self.overlap_param_gather_with_optimizer_step and not self.use_distributed_optimizer:
             raise ValueError("OptimizerConfig.overlap_param_gather_with_optimizer_step needs "
                              "use_distributed_optimizer=True")

@@ -21,6 +21,14 @@ def check_precision(args: argparse.Namespace) -> None:
         raise ArgumentError("--use-precision-aware-optimizer needs --bf16 or --fp16 and "
                             "--optimizer adam: it keeps fp32 main weights beside half-precision "
                             "ones")
+    for flag in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, flag) != "fp32" and not args.use_precision_aware_optimizer:
+            raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)} needs "
+                                f"--use-precision-aware-optimizer (its Adam keeps "
+                                f"low-precision moments)")
+    if args.use_precision_aware_optimizer:
+        # Its Adam reads the gradients where DDP reduced them, in fp32.
+        args.accumulate_allreduce_grads_in_fp32 = True
     args.params_dtype = (torch.float16 if args.fp16 else
                          torch.bfloat16 if args.bf16 else torch.float32)
     if args.fp16 and not args.loss_scale:

@@ -165,8 +165,8 @@ class TransformerEngineArgs:
     inference_rng_tracker: bool = unavailable(False, "inference is not part of this tree")
 
 
-_LOW_PRECISION_STATE = ("low-precision optimizer state is not available in this tree yet "
-                        "(issue 25); keep fp32")
+_MAIN_GRADS = "bf16 main gradients are not implemented yet (issue 25); keep fp32"
+_MAIN_PARAMS = "fp16 main parameters are not implemented yet (issue 25); keep fp32"
 
 
 @dataclasses.dataclass
@@ -182,10 +182,13 @@ class ExperimentalArgs:
                                           "the command line")
     use_precision_aware_optimizer: bool = option(
         False, "Adam over flat fp32 main parameters and moments laid out like the DDP buffers, "
-               "writing the bf16/fp16 weights in the same pass (fp32 state, as by default)")
-    main_grads_dtype: str = unavailable("fp32", _LOW_PRECISION_STATE, choices=("fp32", "bf16"))
-    main_params_dtype: str = unavailable("fp32", _LOW_PRECISION_STATE, choices=("fp32", "fp16"))
-    exp_avg_dtype: str = unavailable("fp32", _LOW_PRECISION_STATE,
-                                     choices=("fp32", "fp16", "fp8"))
-    exp_avg_sq_dtype: str = unavailable("fp32", _LOW_PRECISION_STATE,
-                                        choices=("fp32", "fp16", "fp8"))
+               "writing the bf16/fp16 weights in the same pass (fp32 gradients; the moments "
+               "in --exp-avg-dtype / --exp-avg-sq-dtype)")
+    main_grads_dtype: str = unavailable("fp32", _MAIN_GRADS, choices=("fp32", "bf16"))
+    main_params_dtype: str = unavailable("fp32", _MAIN_PARAMS, choices=("fp32", "fp16"))
+    exp_avg_dtype: str = option(
+        "fp32", "dtype of Adam's first moment with --use-precision-aware-optimizer (fp16 and "
+        "fp8 e4m3 with a power-of-two scale per parameter)", choices=("fp32", "fp16", "fp8"))
+    exp_avg_sq_dtype: str = option(
+        "fp32", "dtype of Adam's second moment with --use-precision-aware-optimizer (scaled as "
+        "--exp-avg-dtype)", choices=("fp32", "fp16", "fp8"))
