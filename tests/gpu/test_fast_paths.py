@@ -111,16 +111,26 @@ def test_flat_adam_trains_like_the_default_optimizer(data, tmp_path, default_los
     _compare("--use-precision-aware-optimizer", flat, default_losses)
 
 
+MOMENTS = {"fp32": (torch.float32, torch.float32), "fp16": (torch.float16, torch.float16),
+           "fp8": (torch.uint8, torch.uint8), "fp8-fp16": (torch.uint8, torch.float16)}
+
+
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_flat_adam_kernel_on_cuda(distributed, dtype):
+@pytest.mark.parametrize("dtype,moments", [(torch.bfloat16, "fp32"), (torch.float16, "fp32"),
+                                           (torch.bfloat16, "fp16"), (torch.bfloat16, "fp8"),
+                                           (torch.bfloat16, "fp8-fp16")],
+                         ids=["bf16", "fp16", "bf16-fp16-moments", "bf16-fp8-moments",
+                              "bf16-fp8-fp16-moments"])
+def test_flat_adam_kernel_on_cuda(distributed, dtype, moments):
     from tests.unit.flat_adam_interpreted import mismatches, run
 
     # Fixed gradients: a comparison through training would let bf16 forward passes of
     # weights one rounding apart drift, which says nothing about the kernel.
-    expected = run(distributed, kernel=False, device="cuda", dtype=dtype)
-    got = run(distributed, kernel=True, device="cuda", dtype=dtype)
+    expected = run(distributed, kernel=False, device="cuda", dtype=dtype,
+                   moments=MOMENTS[moments])
+    got = run(distributed, kernel=True, device="cuda", dtype=dtype, moments=MOMENTS[moments])
     worst, wrong = mismatches(expected, got, model_rounding=True)
-    print(f"flat Adam kernel, {dtype}, {'distributed' if distributed else 'plain'}: "
-          f"{len(got.regions)} region(s), largest relative difference {worst:.2e}")
+    print(f"flat Adam kernel, {dtype}, moments {moments}, "
+          f"{'distributed' if distributed else 'plain'}: {len(got.regions)} region(s), "
+          f"largest relative difference {worst:.2e}")
     assert wrong == []

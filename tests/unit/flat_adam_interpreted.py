@@ -2,9 +2,12 @@
 
 Run by ``test_flat_adam.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` and a triton
 install on ``PYTHONPATH``. Both sides get the same random gradients (and a gradient scale) for
-four steps, plain and sharded over the buckets, for bf16 and fp16 weights; prints one line
-per case and exits 1 on a mismatch. The interpreter truncates fp32 to half precision where GPUs
-round, so the written weights are held to one step of their precision rather than to equality.
+four steps, plain and sharded over the buckets, for bf16 and fp16 weights, with fp32 moments
+and with scaled fp16 ones; prints one line per case and exits 1 on a mismatch. The
+interpreter truncates fp32 to half precision where GPUs round, so the written weights and
+scaled moments are held to one step of their precision rather than to equality. Its fp8
+conversion does not carry a rounded-up mantissa into the exponent (127.9 becomes 64, seen
+with triton 3.9.0), so fp8 moments are compared on a GPU only.
 ``run`` and ``mismatches`` also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
 """
 
@@ -14,20 +17,28 @@ import sys
 
 import torch
 
-from megatron.core.optimizer import flat_adam
+from megatron.core.optimizer.flat_adam import MOMENTS
+from megatron.core.optimizer.flat_adam_kernel import triton_kernel
+from megatron.core.optimizer.low_precision import is_scaled
 from tests.unit.test_flat_adam import build
+
+FP32 = (torch.float32, torch.float32)
+FP16 = (torch.float16, torch.float16)
+FP8 = (torch.uint8, torch.uint8)
+FP8_FP16 = (torch.uint8, torch.float16)
 
 # Small enough that the test model's parameters span whole blocks as well as heads and tails,
 # so both of the kernel's launches run.
 BLOCK_SIZE = 16
 
 
-def run(distributed: bool, kernel: bool, device: str = "cpu", dtype=torch.bfloat16):
+def run(distributed: bool, kernel: bool, device: str = "cpu", dtype=torch.bfloat16,
+        moments=FP32):
     """Four steps of the flat Adam on the same random gradients (scaled by 2), with the Triton
     kernel or with the torch arithmetic."""
-    _, optimizer = build(True, dtype, distributed=distributed, device=device)
+    _, optimizer = build(True, dtype, distributed=distributed, device=device, moments=moments)
     flat = optimizer.flat_adam
-    flat._kernel = flat_adam._triton_kernel() if kernel else None
+    flat._kernel = triton_kernel() if kernel else None
     flat.block_size = BLOCK_SIZE
     flat._build_chunks()
     generator = torch.Generator().manual_seed(0)
@@ -45,14 +56,35 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
     to nearest; otherwise (the interpreter truncates) within one step of their precision.
     """
     worst, wrong = 0.0, []
+    # Bias corrections as exp(step * log(beta)) against beta ** step: fp32 rounding, relative
+    # to an update of about lr (1e-2) per step. Scaled moments one step of their precision
+    # apart move the weights by that share of the updates (four steps, with room).
+    lr = expected.optimizer.param_groups[0]["lr"]
+    atol = max([1e-6] + [4 * lr * torch.finfo(storage).eps
+                         for storage in expected.storage.values() if is_scaled(storage)])
     for index, (want, have) in enumerate(zip(expected.regions, got.regions)):
-        # Bias corrections as exp(step * log(beta)) against beta ** step: fp32 rounding,
-        # relative to an update of about lr (1e-2) per step.
-        for name in ("main", "exp_avg", "exp_avg_sq"):
-            a, b = getattr(want, name), getattr(have, name)
-            worst = max(worst, ((a - b).abs() / (a.abs() + 1e-6)).max().item())
-            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
-                wrong.append(f"region {index} {name}")
+        a, b = want.main, have.main
+        worst = max(worst, ((a - b).abs() / (a.abs() + 1e-6)).max().item())
+        if not torch.allclose(a, b, rtol=1e-5, atol=atol):
+            wrong.append(f"region {index} main")
+    if not torch.equal(expected.scales, got.scales):
+        wrong.append("moment scales")
+    for index, (want, have) in enumerate(zip(expected.regions, got.regions)):
+        for kind in MOMENTS:
+            a, b = getattr(want, kind), getattr(have, kind)
+            if not is_scaled(a.dtype):
+                worst = max(worst, ((a - b).abs() / (a.abs() + 1e-6)).max().item())
+                if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                    wrong.append(f"region {index} {kind}")
+                continue
+            # Scaled: at most one step of the storage apart (the interpreter truncates; on a
+            # GPU an fp32 rounding of the update can tip a value to its neighbour).
+            bits = torch.int16 if a.dtype == torch.float16 else torch.uint8
+            apart = (a.view(bits).int() - b.view(bits).int()).abs()
+            worst = max(worst, float(apart.max()) * torch.finfo(a.dtype).eps)
+            if int(apart.max()) > 1:
+                wrong.append(f"region {index} {kind}")
+    for index, (want, have) in enumerate(zip(expected.regions, got.regions)):
         if model_rounding:
             if not torch.equal(have.model, have.main.to(have.model.dtype)):
                 wrong.append(f"region {index} model weights")
@@ -66,15 +98,17 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
 
 
 def main() -> int:
-    assert flat_adam._triton_kernel() is not None, "triton is not importable"
+    assert triton_kernel() is not None, "triton is not importable"
     failed = False
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype, moments in ((torch.bfloat16, FP32), (torch.float16, FP32),
+                           (torch.bfloat16, FP16)):
         for distributed in (False, True):
-            expected = run(distributed, False, dtype=dtype)
-            got = run(distributed, True, dtype=dtype)
+            expected = run(distributed, False, dtype=dtype, moments=moments)
+            got = run(distributed, True, dtype=dtype, moments=moments)
             worst, wrong = mismatches(expected, got, model_rounding=False)
-            print(f"{str(dtype)[6:]}, {'distributed' if distributed else 'plain'}: "
-                  f"{len(got.regions)} region(s), largest relative difference {worst:.2e}"
+            print(f"{str(dtype)[6:]}, moments {[str(m)[6:] for m in moments]}, "
+                  f"{'distributed' if distributed else 'plain'}: {len(got.regions)} region(s), "
+                  f"largest relative difference {worst:.2e}"
                   + (f"; WRONG: {wrong}" if wrong else ""))
             failed |= bool(wrong)
     return 1 if failed else 0

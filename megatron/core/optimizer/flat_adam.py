@@ -22,26 +22,26 @@ calls first and checkpoint saves and loads call when done (so the copies do not 
 
 The update is torch's AdamW (decoupled weight decay, bias-corrected moments); the gradient is
 divided by the optimizer's ``grad_scale`` when one is set, as in torch's fused kernel. On CUDA
-with fp32 moments it is one Triton kernel per region, launched over the blocks that lie whole
-inside a parameter (aligned, so their accesses vectorise) and then over the parameters' heads
-and tails; elsewhere, and with scaled moments, the same arithmetic runs as torch operations per
-parameter.
+it is a Triton kernel (``flat_adam_kernel``) per region, launched over the blocks that lie whole
+inside a parameter and then over the parameters' heads and tails (twice with scaled moments:
+their new scales first); elsewhere the same arithmetic runs as torch operations per parameter.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 
+from megatron.core.optimizer.flat_adam_kernel import triton_kernel
 from megatron.core.optimizer.low_precision import (
     MOMENT_STORAGE,
     dequantize,
     is_scaled,
+    power_of_two_scale,
     quantize_into,
 )
 
@@ -78,60 +78,6 @@ class _Entry:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_kernel():
-    """The update as a Triton kernel (compiled at its first launch), or None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def adamw_region(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, chunks_ptr,
-                     hyper_ptr, steps_ptr, scale_ptr, BLOCK: tl.constexpr, FULL: tl.constexpr):
-        row = chunks_ptr + tl.program_id(0) * 4
-        start = tl.load(row)
-        group = tl.load(row + 2)
-        entry = tl.load(row + 3)
-        hyper = hyper_ptr + group * 5  # per group: lr, weight decay, beta1, beta2, eps
-        lr = tl.load(hyper)
-        weight_decay = tl.load(hyper + 1)
-        beta1 = tl.load(hyper + 2)
-        beta2 = tl.load(hyper + 3)
-        eps = tl.load(hyper + 4)
-        step = tl.load(steps_ptr + entry)
-        inv_scale = 1.0 / tl.load(scale_ptr)
-        step_size = lr / (1.0 - tl.exp(step * tl.log(beta1)))
-        correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
-
-        lanes = tl.arange(0, BLOCK)
-        if FULL:
-            # A whole block at a multiple of BLOCK: no mask, so the accesses vectorise.
-            at = tl.multiple_of(start, BLOCK) + lanes
-            mask = None
-            other = None
-        else:
-            at = start + lanes
-            mask = lanes < tl.load(row + 1)
-            other = 0.0
-        grad = tl.load(grad_ptr + at, mask=mask, other=other) * inv_scale
-        main = tl.load(main_ptr + at, mask=mask, other=other)
-        exp_avg = tl.load(exp_avg_ptr + at, mask=mask, other=other)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + at, mask=mask, other=other)
-        main = main * (1.0 - lr * weight_decay)
-        exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)
-        exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
-        main = main - step_size * exp_avg / (tl.sqrt(exp_avg_sq) / correction2_sqrt + eps)
-        tl.store(main_ptr + at, main, mask=mask)
-        tl.store(exp_avg_ptr + at, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + at, exp_avg_sq, mask=mask)
-        tl.store(model_ptr + at, main.to(model_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=mask)
-
-    return adamw_region
 
 
 class FlatAdamW:
@@ -173,7 +119,7 @@ class FlatAdamW:
         self.entries = [self._move_into_region(index, location, spans, group_of)
                         for index, location in enumerate(locations)]
         self._bind_state()
-        self._kernel = _triton_kernel() if device.type == "cuda" and not self.scaled else None
+        self._kernel = triton_kernel() if device.type == "cuda" else None
         if self._kernel is not None:
             self._build_chunks()
 
@@ -344,13 +290,29 @@ class FlatAdamW:
             hyper_tensor = hyper_tensor.pin_memory().to(device, non_blocking=True)
         scale = (grad_scale.reshape(1).float() if grad_scale is not None
                  else torch.ones(1, dtype=torch.float32, device=device))
+        flags = {"M_SCALED": is_scaled(self.storage["exp_avg"]),
+                 "V_SCALED": is_scaled(self.storage["exp_avg_sq"]),
+                 "V_FP8": self.storage["exp_avg_sq"] == torch.float8_e4m3fn}
+        new_scales = self.scales
+        if self.scaled:  # first each entry's largest updated moments, for their new scales
+            amax = torch.zeros_like(self.scales)
+            self._launch(hyper_tensor, scale, self.scales, amax, amax, AMAX_ONLY=True, **flags)
+            new_scales = torch.stack([
+                power_of_two_scale(amax[:, column], self.storage[kind])
+                if is_scaled(self.storage[kind]) else self.scales[:, column]
+                for column, kind in enumerate(MOMENTS)], dim=1)
+        self._launch(hyper_tensor, scale, self.scales, new_scales, self.scales,
+                     AMAX_ONLY=False, **flags)
+        self.scales.copy_(new_scales)
+
+    def _launch(self, hyper, scale, scales, new_scales, amax, **flags) -> None:
         for region in self.regions:
             for full, chunks in zip((True, False), region.chunks):
                 if chunks.shape[0]:
                     self._kernel[(chunks.shape[0],)](
                         region.main, region.grad, region.exp_avg, region.exp_avg_sq,
-                        region.model, chunks, hyper_tensor, self.steps, scale,
-                        BLOCK=self.block_size, FULL=full, num_warps=8)
+                        region.model, chunks, hyper, self.steps, scale, scales, new_scales,
+                        amax, BLOCK=self.block_size, FULL=full, num_warps=8, **flags)
 
     def _step_with_torch(self, hyper: list[tuple[float, ...]],
                          grad_scale: torch.Tensor | None) -> None:
