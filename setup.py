@@ -26,4 +26,6 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers>=0.19"],
+    # --fp8-format without Transformer Engine.
+    extras_require={"fp8": ["torchao>=0.18"]},
 )

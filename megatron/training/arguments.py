@@ -24,7 +24,7 @@ from megatron.training.data_sources import (
 )
 from megatron.training.flag_checks.layout import check_layout, resolve_spellings
 from megatron.training.flag_checks.runtime import (
-    check_checkpointing, check_model_flags, check_precision, check_runtime,
+    check_checkpointing, check_fp8, check_model_flags, check_precision, check_runtime,
 )
 from megatron.training.flag_checks.schedule import (
     check_batch_sizes, check_learning_rate_schedule, check_schedule,
@@ -92,6 +92,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     except DataSourceError as error:
         raise ArgumentError(str(error)) from None
     _fill_model_defaults(args)
+    check_fp8(args)
     return args
 
 

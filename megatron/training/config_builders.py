@@ -93,6 +93,16 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         init_seed=args.seed,
         calculate_per_token_loss=args.calculate_per_token_loss,
         deterministic_mode=args.deterministic_mode,
+        fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe,
+        fp8_margin=args.fp8_margin,
+        fp8_interval=args.fp8_interval,
+        fp8_amax_history_len=args.fp8_amax_history_len,
+        fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+        fp8_wgrad=args.fp8_wgrad,
+        first_last_layers_bf16=args.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16,
     )
 
 

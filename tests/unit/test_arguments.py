@@ -150,6 +150,7 @@ def test_upstream_flag_spellings_and_negations(world):
                                              "--use-precision-aware-optimizer"),
     (["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
      "bf16 main gradients are not implemented yet"),
+    (["--first-last-layers-bf16"], "--first-last-layers-bf16 needs --fp8-format"),
 ])
 def test_more_inconsistent_flags(world, argv, message):
     world(1)
@@ -242,3 +243,23 @@ def test_learning_rate_schedule_is_checked_in_flag_names(world, flags, message):
                                 "--mock-data", "--vocab-size", "64", *flags))
     with pytest.raises(ArgumentError, match=message):
         validate_training_args(args)
+
+
+def test_fp8_flags_reach_the_transformer_config(world, monkeypatch, capsys):
+    pytest.importorskip("torchao.float8")
+    world(1)
+    args = validate_args(parsed("--num-layers", "4", "--hidden-size", "32",
+                                "--num-attention-heads", "2", "--seq-length", "8",
+                                "--micro-batch-size", "1",
+                                "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise",
+                                "--no-fp8-wgrad", "--first-last-layers-bf16",
+                                "--fp8-amax-history-len", "16"))
+    assert "--fp8-amax-history-len tune Transformer Engine's delayed scaling" in \
+        capsys.readouterr().out
+    config = core_transformer_config_from_args(args)
+    assert (config.fp8, config.fp8_recipe, config.fp8_wgrad, config.first_last_layers_bf16) == \
+        ("hybrid", "rowwise", False, True)
+    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
+    with pytest.raises(ArgumentError, match=r"--fp8-format e4m3: FP8 training without "
+                                            r"Transformer Engine needs torchao"):
+        validate_args(parsed("--bf16", "--fp8-format", "e4m3"))

@@ -272,7 +272,8 @@ def test_fp32_residual_connection_keeps_the_residual_stream_in_fp32():
     (dict(recompute_granularity="full"), "needs recompute_method"),
     (dict(recompute_granularity="selective", recompute_num_layers=1), "must be None"),
     (dict(num_moe_experts=8), "num_moe_experts=8 is not supported by this tree"),
-    (dict(fp8="hybrid"), "fp8='hybrid' is not supported by this tree"),
+    (dict(fp8_dot_product_attention=True), "fp8_dot_product_attention=True is not supported by "
+                                           "this tree"),
     (dict(window_size=(128, 0)), "window_size=.* is not supported by this tree"),
     (dict(hidden_dropout=1.5), "hidden_dropout must be a probability"),
 ])

@@ -22,6 +22,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.collectives import group_rank, group_size
+from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe, fp8_linear
 from megatron.core.tensor_parallel.linear_function import (
     linear_with_grad_accumulation_and_async_allreduce,
 )
@@ -54,6 +55,18 @@ class _ParallelLinearBase(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.master_weight: Optional[torch.Tensor] = None
+        # Set on the transformer layers' linears when they compute in FP8 (fp8_linear).
+        self.fp8: Optional[Fp8Recipe] = None
+
+    def _matmul(self, input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                *, allreduce_dgrad: bool, sequence_parallel: bool, **bf16_only) -> torch.Tensor:
+        """``input_ @ weight.T + bias`` with the layer's communication, in FP8 where set."""
+        if self.fp8 is not None:
+            return fp8_linear(input_, weight, bias, self.fp8, sequence_parallel=sequence_parallel,
+                              allreduce_dgrad=allreduce_dgrad, group=self.tp_group)
+        return linear_with_grad_accumulation_and_async_allreduce(
+            input_, weight, bias, allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel, tp_group=self.tp_group, **bf16_only)
 
     def _new_parameter(self, *shape: int) -> Parameter:
         return Parameter(
@@ -184,16 +197,15 @@ class ColumnParallelLinear(_ParallelLinearBase):
         # deferred one gets all of its gradient outside autograd.
         own_weight = weight is None or self.defers_wgrad
         weight = self._weight_for_forward(weight)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = self._matmul(
             input_,
             weight,
             None if self.skip_bias_add else self.bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion and own_weight,
             allreduce_dgrad=self.allreduce_dgrad,
             sequence_parallel=self.sequence_parallel,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion and own_weight,
             grad_output_buffer=self.grad_output_buffer if self.defers_wgrad else None,
             wgrad_deferral_limit=self.config.wgrad_deferral_limit,
-            tp_group=self.tp_group,
             embedding_activation_buffer=(self.embedding_activation_buffer if self.defers_wgrad
                                          else None),
         )
@@ -251,14 +263,13 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         # Alone in its group, the GEMM adds the bias in its epilogue; else it follows the reduction.
         bias_in_gemm = self.tp_size == 1 and not self.skip_bias_add
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+        output_parallel = self._matmul(
             input_parallel,
             self.weight,
             self.bias if bias_in_gemm else None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             allreduce_dgrad=False,
             sequence_parallel=False,
-            tp_group=self.tp_group,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
         )
         if bias_in_gemm:
             return output_parallel, None
@@ -271,3 +282,11 @@ class RowParallelLinear(_ParallelLinearBase):
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
+
+
+def set_fp8(module: torch.nn.Module, recipe: Optional[Fp8Recipe]) -> None:
+    """Make every column- and row-parallel linear inside ``module`` compute in fp8 with
+    ``recipe`` (None: in the parameters' dtype)."""
+    for child in module.modules():
+        if isinstance(child, _ParallelLinearBase):
+            child.fp8 = recipe

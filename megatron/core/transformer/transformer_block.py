@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe
+from megatron.core.tensor_parallel.linear import set_fp8
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.dot_product_attention import drop_causal_mask
 from megatron.core.transformer.init_methods import model_init_stream, replay_draws
@@ -86,6 +88,11 @@ class TransformerBlock(MegatronModule):
             for index in range(self.global_layer_indices.start):
                 replay_draws(config, functools.partial(layer, index))
             self.layers = torch.nn.ModuleList(layer(index) for index in self.global_layer_indices)
+            if config.fp8 is not None:
+                recipe = Fp8Recipe(config.fp8, config.fp8_recipe, config.fp8_wgrad)
+                for index, built in zip(self.global_layer_indices, self.layers):
+                    if config.computes_in_fp8(index + 1):
+                        set_fp8(built, recipe)
             self.final_layernorm = None
             if post_process and post_layer_norm:
                 self.final_layernorm = spec.modules().norm(config, config.hidden_size)

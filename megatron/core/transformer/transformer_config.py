@@ -24,12 +24,14 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.fp8_linear import FP8_FORMATS, FP8_SCALINGS
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.transformer.layer_assignment import check_layer_split
 
 _NO_MOE = "mixture-of-experts layers are not implemented"
-_NO_FP8 = "fp8 training needs Transformer Engine's fp8 recipes, which this tree does not use"
+_NO_FP8 = ("fp8 attention and fp8 activation storage need Transformer Engine; this tree's fp8 "
+           "(fp8=...) covers the linear layers' matmuls")
 _NO_GRAPHS = "CUDA graphs of transformer layers are not implemented"
 
 # Field -> why a non-default value is refused. Remove an entry once the feature exists.
@@ -42,7 +44,6 @@ UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
     "multi_latent_attention": "multi-latent attention is not implemented",
     "apply_rope_fusion": "fused rotary kernels (apex / Transformer Engine) are not used; "
     "rotary embeddings run as plain torch operations",
-    "fp8": _NO_FP8,
     "fp8_dot_product_attention": _NO_FP8,
     "fp8_multi_head_attention": _NO_FP8,
     "tp_only_amax_red": _NO_FP8,
@@ -259,24 +260,39 @@ class TransformerConfig(ModelParallelConfig):
     distribute_saved_activations: Optional[bool] = None
     """Shard checkpointed layer inputs over the tensor-parallel group."""
 
-    # --- fp8 (unsupported; the tuning fields only matter with fp8) ---
+    # --- fp8 (the transformer layers' linear matmuls, through torchao: fp8_linear) ---
     fp8: Optional[str] = None
-    """fp8 recipe name (unsupported)."""
+    """None, or the fp8 format of the transformer layers' matmuls: 'e4m3' or 'hybrid' (output
+    gradients in e5m2)."""
+
+    fp8_recipe: str = "tensorwise"
+    """How fp8 operands are scaled: 'tensorwise' or 'rowwise' (torchao's dynamic scaling);
+    upstream's 'delayed' is Transformer Engine's and refused here."""
 
     fp8_margin: int = 0
-    """fp8 scaling margin."""
+    """Transformer Engine's delayed-scaling margin; no effect on torchao's dynamic scaling."""
 
     fp8_interval: int = 1
-    """fp8 scaling update interval (deprecated upstream)."""
+    """fp8 scaling update interval (deprecated upstream; no effect here)."""
 
     fp8_amax_history_len: int = 1
-    """fp8 amax history length."""
+    """Transformer Engine's amax history; torchao's dynamic scaling keeps none."""
 
     fp8_amax_compute_algo: str = "most_recent"
-    """fp8 amax reduction over the history."""
+    """Reduction over the amax history (Transformer Engine's; no effect here)."""
 
     fp8_wgrad: bool = True
-    """Compute weight gradients in fp8."""
+    """Compute weight gradients in fp8 (False: in the parameters' dtype)."""
+
+    first_last_layers_bf16: bool = False
+    """With fp8: keep the first num_layers_at_start_in_bf16 and the last
+    num_layers_at_end_in_bf16 transformer layers in the parameters' dtype."""
+
+    num_layers_at_start_in_bf16: int = 1
+    """Layers kept out of fp8 at the start, with first_last_layers_bf16."""
+
+    num_layers_at_end_in_bf16: int = 1
+    """Layers kept out of fp8 at the end, with first_last_layers_bf16."""
 
     fp8_dot_product_attention: bool = False
     """fp8 attention (unsupported)."""
@@ -435,6 +451,25 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"attention_backend must be an AttnBackend member, got {self.attention_backend!r}"
             )
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"fp8={self.fp8!r} must be None or one of {FP8_FORMATS}")
+        if self.fp8_recipe not in FP8_SCALINGS:
+            raise ValueError(
+                f"fp8_recipe={self.fp8_recipe!r} must be one of {FP8_SCALINGS} (torchao's "
+                f"dynamic scaling; 'delayed' is Transformer Engine's recipe)")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def computes_in_fp8(self, layer_number: int) -> bool:
+        """Whether transformer layer ``layer_number`` (1-based, global) runs its linear
+        matmuls in fp8."""
+        if self.fp8 is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return (self.num_layers_at_start_in_bf16 < layer_number
+                <= self.num_layers - self.num_layers_at_end_in_bf16)
 
     def _check_recompute(self) -> None:
         granularity, method, count = (

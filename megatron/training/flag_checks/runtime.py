@@ -138,3 +138,43 @@ def check_checkpointing(args: argparse.Namespace) -> None:
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         raise ArgumentError("--use-checkpoint-opt_param-scheduler and "
                             "--override-opt_param-scheduler are alternatives; give one")
+
+
+_DELAYED_SCALING_FLAGS = {"fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_len": 1,
+                          "fp8_amax_compute_algo": "most_recent"}
+
+
+def check_fp8(args: argparse.Namespace) -> None:
+    """--fp8-format: torchao is there, the GPU has float8 matmuls, and the linears' output
+    widths are multiples of 16 (what the float8 GEMM takes; inner widths are padded)."""
+    if args.fp8 is None:
+        if args.first_last_layers_bf16:
+            raise ArgumentError("--first-last-layers-bf16 needs --fp8-format")
+        return
+    from megatron.core.tensor_parallel.fp8_linear import Fp8Unavailable, check_device, \
+        require_torchao
+
+    try:
+        require_torchao()
+        if args.distributed_backend == "nccl" and torch.cuda.device_count():
+            check_device(torch.device("cuda", 0))
+    except Fp8Unavailable as error:
+        raise ArgumentError(f"--fp8-format {args.fp8}: {error}") from None
+    if args.distributed_backend == "nccl" and args.hidden_size:  # torchao emulates on CPU
+        tp = args.tensor_model_parallel_size
+        groups = (args.num_query_groups if args.group_query_attention
+                  else args.num_attention_heads)
+        widths = {"--hidden-size": args.hidden_size,
+                  "the QKV projection per tensor-parallel rank": (
+                      (args.num_attention_heads + 2 * groups) * args.kv_channels // tp),
+                  "--ffn-hidden-size per tensor-parallel rank": (
+                      args.ffn_hidden_size * (2 if args.swiglu else 1) // tp)}
+        for name, width in widths.items():
+            if width % 16:
+                raise ArgumentError(f"--fp8-format: {name} is {width}, not a multiple of 16, "
+                                    f"which float8 matmuls need")
+    given = [f"--{name.replace('_', '-')}" for name, default in _DELAYED_SCALING_FLAGS.items()
+             if getattr(args, name) != default]
+    if given and args.rank == 0:
+        print(f"WARNING: {', '.join(given)} tune Transformer Engine's delayed scaling; this "
+              f"tree's fp8 (torchao, dynamic scaling) does not use them", flush=True)

@@ -13,7 +13,11 @@ _ENCODER_DECODER = ("encoder-decoder models (T5) are not implemented; GPT uses -
 _T5_POSITIONS = "relative position embeddings (T5) are not implemented; use rope or learned_absolute"
 _BERT = "BERT models are not implemented"
 _MLA = "multi-latent attention is not implemented"
-_FP8 = ("FP8 training is not available in this tree yet (issue 25); train in --bf16")
+_FP8 = ("fp8 parameters and their fp8 all-gather are not implemented: this tree's fp8 casts "
+        "the matmuls' operands and keeps the weights in --bf16")
+_DELAYED_SCALING = ("Transformer Engine's delayed scaling; torchao's dynamic scaling "
+                    "computes each scale from the tensor being cast and keeps no amax history, "
+                    "so this has no effect (a set value is warned about at start-up)")
 _TE_ONLY = "needs Transformer Engine's own RNG tracker, which this tree does not use"
 
 
@@ -152,14 +156,27 @@ class TransformerEngineArgs:
         "transformer_engine", "transformer layer implementation; without Transformer Engine "
         "installed, transformer_engine runs the local layers (same parameters and math)",
         choices=("local", "transformer_engine"))
-    fp8: Optional[str] = unavailable(None, _FP8, flags=("--fp8-format",),
-                                     choices=("e4m3", "hybrid"))
-    fp8_margin: int = unavailable(0, _FP8)
-    fp8_interval: int = unavailable(1, _FP8)
-    fp8_amax_history_len: int = unavailable(1, _FP8)
-    fp8_amax_compute_algo: str = unavailable("most_recent", _FP8,
-                                             choices=("most_recent", "max"))
-    fp8_wgrad: bool = unavailable(True, _FP8, negative=("--no-fp8-wgrad",))
+    fp8: Optional[str] = option(
+        None, "fp8 format of the transformer layers' linear matmuls, through torchao (which "
+        "must be installed): e4m3, or hybrid (output gradients in e5m2)", flags=("--fp8-format",),
+        choices=("e4m3", "hybrid"))
+    fp8_recipe: str = option(
+        "tensorwise", "how fp8 operands are scaled: tensorwise (one scale per tensor) or rowwise "
+        "(per row, power-of-two scales), recomputed from each tensor as it is cast",
+        choices=("tensorwise", "rowwise"))
+    fp8_margin: int = option(0, "", accepted=_DELAYED_SCALING)
+    fp8_interval: int = option(1, "", accepted=_DELAYED_SCALING)
+    fp8_amax_history_len: int = option(1, "", accepted=_DELAYED_SCALING)
+    fp8_amax_compute_algo: str = option("most_recent", "", accepted=_DELAYED_SCALING,
+                                        choices=("most_recent", "max"))
+    fp8_wgrad: bool = option(True, "weight-gradient matmuls in fp8 too (--no-fp8-wgrad: in the "
+                             "parameters' dtype)", negative=("--no-fp8-wgrad",))
+    first_last_layers_bf16: bool = option(
+        False, "with --fp8-format, keep the first and last transformer layers out of fp8")
+    num_layers_at_start_in_bf16: int = option(
+        1, "layers kept out of fp8 at the start with --first-last-layers-bf16")
+    num_layers_at_end_in_bf16: int = option(
+        1, "layers kept out of fp8 at the end with --first-last-layers-bf16")
     fp8_param_gather: bool = unavailable(False, _FP8)
     te_rng_tracker: bool = unavailable(False, _TE_ONLY)
     inference_rng_tracker: bool = unavailable(False, "inference is not part of this tree")

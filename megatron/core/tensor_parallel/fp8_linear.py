@@ -1,0 +1,126 @@
+"""FP8 matmuls of the tensor-parallel linears, through torchao's float8 training.
+
+``--fp8-format`` without Transformer Engine: the transformer layers' column- and row-parallel
+linears (attention's QKV and projection, the MLP's two) compute ``x W^T`` in float8 with
+torchao's dynamic scaling, recomputed from each tensor at each use (``tensorwise``: one scale
+per tensor; ``rowwise``: one per row of each operand, with power-of-two scales). ``e4m3`` casts
+inputs, weights and output gradients to e4m3; ``hybrid`` casts output gradients to e5m2 (their
+range matters more than their precision). Without ``fp8_wgrad`` the weight-gradient matmul
+stays in the parameters' dtype. Weights, gradients and checkpoints stay as they were: only the
+matmuls' operands are cast.
+
+The layer's communication is composed around torchao's matmul (an autograd function): the
+sequence-parallel all-gather / reduce-scatter, or the input-gradient all-reduce, as the
+autograd-aware mappings. What the bf16 path fuses (the weight gradient accumulated straight
+into ``main_grad``, the input-gradient reduction overlapped with the weight gradient) is not
+done here: the weight gradient reaches ``main_grad`` through the data-parallel wrapper's hook.
+
+torchao is optional, as Transformer Engine is: asking for FP8 without it is a one-line error.
+On a GPU the float8 matmuls need compute capability 8.9 or later (Ada, Hopper); on a CPU
+torchao emulates them (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import torch
+
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_SCALINGS = ("tensorwise", "rowwise")
+
+
+class Fp8Unavailable(RuntimeError):
+    """FP8 was asked for where it cannot run (no torchao, a GPU without float8 matmuls)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How a linear computes in FP8: ``format`` (e4m3 or hybrid), ``scaling`` (tensorwise or
+    rowwise) and whether the weight-gradient matmul is FP8 too."""
+
+    format: str
+    scaling: str = "tensorwise"
+    wgrad: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in FP8_FORMATS:
+            raise ValueError(f"fp8 format must be one of {FP8_FORMATS}, got {self.format!r}")
+        if self.scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8 scaling must be one of {FP8_SCALINGS}, got {self.scaling!r}")
+
+
+def require_torchao():
+    """torchao's float8 training module, or a one-line error saying how to get it."""
+    try:
+        from torchao.float8 import config as float8_config
+        from torchao.float8 import float8_linear
+    except ImportError as err:
+        raise Fp8Unavailable(
+            f"FP8 training without Transformer Engine needs torchao's float8 training "
+            f"(pip install torchao): {err}") from None
+    return float8_config, float8_linear
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a GPU whose tensor cores have no float8 matmul."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise Fp8Unavailable(
+            f"FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+
+
+@functools.lru_cache(maxsize=None)
+def _torchao_configs(recipe: Fp8Recipe, emulate: bool):
+    float8_config, float8_linear = require_torchao()
+    cast = float8_config.CastConfig
+    granularity = (float8_config.ScalingGranularity.TENSORWISE if recipe.scaling == "tensorwise"
+                   else float8_config.ScalingGranularity.AXISWISE)
+    grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+
+    def operand(dtype, fp8=True):  # torchao wants an operand's dtype named even when unused
+        if not fp8:
+            return cast(scaling_type=float8_config.ScalingType.DISABLED, target_dtype=dtype)
+        return cast(scaling_granularity=granularity, target_dtype=dtype)
+
+    e4m3 = operand(torch.float8_e4m3fn)
+    config = float8_config.Float8LinearConfig(
+        cast_config_input=e4m3, cast_config_weight=e4m3,
+        cast_config_grad_output=operand(grad_dtype),
+        cast_config_input_for_grad_weight=operand(torch.float8_e4m3fn, recipe.wgrad),
+        cast_config_weight_for_grad_input=e4m3,
+        cast_config_grad_output_for_grad_weight=operand(grad_dtype, recipe.wgrad),
+        # Rowwise scales are powers of two, as torchao's own rowwise recipe has them.
+        round_scales_to_power_of_2=recipe.scaling == "rowwise", emulate=emulate)
+    gemm = float8_linear.ScaledMMConfig
+    mm_config = float8_linear.LinearMMConfig(
+        gemm(emulate, config.gemm_config_output.use_fast_accum, False, config.pad_inner_dim),
+        gemm(emulate, config.gemm_config_grad_input.use_fast_accum, False, config.pad_inner_dim),
+        gemm(emulate, config.gemm_config_grad_weight.use_fast_accum, False,
+             config.pad_inner_dim))
+    return float8_linear.matmul_with_hp_or_float8_args, config, mm_config
+
+
+def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               recipe: Fp8Recipe, *, sequence_parallel: bool, allreduce_dgrad: bool,
+               group: Any) -> torch.Tensor:
+    """``input_ @ weight.T + bias`` in FP8 with the layer's tensor-parallel communication
+    (``sequence_parallel``: all-gather the input's sequence shards first; ``allreduce_dgrad``:
+    sum the input gradient over ``group``)."""
+    if sequence_parallel:
+        input_ = gather_from_sequence_parallel_region(input_, group=group)
+    elif allreduce_dgrad:
+        input_ = copy_to_tensor_model_parallel_region(input_, group=group)
+    matmul, config, mm_config = _torchao_configs(recipe, emulate=input_.device.type != "cuda")
+    output = matmul.apply(input_, weight.t(), mm_config, config)
+    return output if bias is None else output + bias
