@@ -19,6 +19,10 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
   line with ``--log-throughput``), without and with ``--use-distributed-optimizer``;
 * ``trainer-flat``: the trainer with ``--use-precision-aware-optimizer`` (Adam over the flat
   buffers, writing the bf16 weights in its kernel);
+* ``trainer-fp8`` / ``trainer-fp8-rowwise``: the trainer with ``--fp8-format hybrid`` (torchao,
+  tensorwise or rowwise scaling; torchao must be importable);
+* ``trainer-flat-fp16-state`` / ``trainer-flat-fp8-state``: the flat Adam with fp16 moments, or
+  an fp8 first and fp16 second moment;
 * ``trainer-varlen``: the trainer with ``--variable-seq-lengths`` on samples whose lengths are
   uniform in 50-100% of the sequence length, collated as the data loader does (each
   microbatch padded to its longest sample); its tokens/s counts real tokens only.
@@ -48,7 +52,19 @@ RESULT = "RESULT "
 # pretrain_gpt.py's own step: name -> its own flags.
 TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
             "trainer-flat": ["--use-precision-aware-optimizer"],
-            "trainer-varlen": ["--variable-seq-lengths"]}
+            "trainer-varlen": ["--variable-seq-lengths"],
+            "trainer-fp8": ["--fp8-format", "hybrid"],
+            "trainer-fp8-rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+            "trainer-flat-fp16-state": ["--use-precision-aware-optimizer", "--exp-avg-dtype",
+                                        "fp16", "--exp-avg-sq-dtype", "fp16"],
+            "trainer-flat-fp8-state": ["--use-precision-aware-optimizer", "--exp-avg-dtype",
+                                       "fp8", "--exp-avg-sq-dtype", "fp16"]}
+# Issue 25's targets: (numerator, denominator) -> least ratio of tokens/s.
+LOW_PRECISION_TARGETS = {("trainer-fp8", "trainer"): 1.10,
+                         ("trainer-fp8-rowwise", "trainer"): 1.10,
+                         ("trainer-fp8", "torch"): 1.15,
+                         ("trainer-flat-fp16-state", "ours"): 0.97,
+                         ("trainer-flat-fp8-state", "ours"): 0.97}
 
 
 def is_variable(flags: list[str]) -> bool:
@@ -73,7 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--impls", default="ours,trainer,trainer-distopt,trainer-flat,"
                         "trainer-varlen,mcore,torch,torch-amp",
                         help="comma-separated subset of ours, trainer, trainer-distopt, "
-                        "trainer-flat, trainer-varlen, mcore, torch, torch-amp, and "
+                        "trainer-flat, trainer-varlen, trainer-fp8, trainer-fp8-rowwise, "
+                        "trainer-flat-fp16-state, trainer-flat-fp8-state, mcore, torch, "
+                        "torch-amp, and "
                         "ours-unfused (no fusions) or ours-act (only the bias-activation "
                         "fusion)")
     parser.add_argument("--torch-compile", action="store_true",
@@ -564,6 +582,14 @@ def main(argv=None) -> int:
             measured = flops / result["step_s"] / 1e12
             print(f"{trainer} log line: {result['logged_tflops']:.1f} TFLOP/s/GPU, bench "
                   f"{measured:.1f} ({100 * (result['logged_tflops'] / measured - 1):+.1f}%)")
+    for (numerator, denominator), least in LOW_PRECISION_TARGETS.items():
+        over = [results.get(f"{name}:eager", {}) for name in (numerator, denominator)]
+        if all("tokens_per_s" in result for result in over):
+            print(at_least_line(f"{numerator}/{denominator} tokens/s",
+                                throughput(f"{numerator}:eager")
+                                / throughput(f"{denominator}:eager"), least))
+            print(f"{numerator} peak memory {over[0]['peak_memory_gib']:.1f} GiB, "
+                  f"{denominator} {over[1]['peak_memory_gib']:.1f} GiB")
     varlen = results.get("trainer-varlen:eager", {})
     if "error" not in varlen and "tokens_per_s" in varlen:
         ratio = throughput("trainer-varlen:eager") / throughput("trainer:eager")
