@@ -259,6 +259,12 @@ def test_fp8_flags_reach_the_transformer_config(world, monkeypatch, capsys):
     config = core_transformer_config_from_args(args)
     assert (config.fp8, config.fp8_recipe, config.fp8_wgrad, config.first_last_layers_bf16) == \
         ("hybrid", "rowwise", False, True)
+    monkeypatch.setattr("megatron.core.transformer.te_backend.transformer_engine_available",
+                        lambda: True)
+    with pytest.raises(ArgumentError, match="add --transformer-impl local"):
+        validate_args(parse_args(argv=["--distributed-backend", "gloo", "--fp8-format", "e4m3"]))
+    monkeypatch.undo()
+    world(1)
     monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
     with pytest.raises(ArgumentError, match=r"--fp8-format e4m3: FP8 training without "
                                             r"Transformer Engine needs torchao"):

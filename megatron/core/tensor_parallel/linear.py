@@ -284,9 +284,10 @@ class RowParallelLinear(_ParallelLinearBase):
         return output + self.bias, None
 
 
-def set_fp8(module: torch.nn.Module, recipe: Optional[Fp8Recipe]) -> None:
+def set_fp8(module: torch.nn.Module, recipe: Optional[Fp8Recipe]) -> int:
     """Make every column- and row-parallel linear inside ``module`` compute in fp8 with
-    ``recipe`` (None: in the parameters' dtype)."""
-    for child in module.modules():
-        if isinstance(child, _ParallelLinearBase):
-            child.fp8 = recipe
+    ``recipe`` (None: in the parameters' dtype); returns how many there are."""
+    linears = [child for child in module.modules() if isinstance(child, _ParallelLinearBase)]
+    for linear in linears:
+        linear.fp8 = recipe
+    return len(linears)

@@ -91,8 +91,12 @@ class TransformerBlock(MegatronModule):
             if config.fp8 is not None:
                 recipe = Fp8Recipe(config.fp8, config.fp8_recipe, config.fp8_wgrad)
                 for index, built in zip(self.global_layer_indices, self.layers):
-                    if config.computes_in_fp8(index + 1):
-                        set_fp8(built, recipe)
+                    if config.computes_in_fp8(index + 1) and not set_fp8(built, recipe):
+                        raise ValueError(
+                            f"fp8={config.fp8!r}: this tree computes fp8 in the local layers' "
+                            f"linears (torchao), and layer {index + 1} has none; build it "
+                            f"with the local spec (Transformer Engine's own fp8 path is not "
+                            f"wired here)")
             self.final_layernorm = None
             if post_process and post_layer_norm:
                 self.final_layernorm = spec.modules().norm(config, config.hidden_size)

@@ -151,6 +151,10 @@ def check_fp8(args: argparse.Namespace) -> None:
         if args.first_last_layers_bf16:
             raise ArgumentError("--first-last-layers-bf16 needs --fp8-format")
         return
+    if args.transformer_impl == "transformer_engine":  # left after check_runtime: TE is there
+        raise ArgumentError(f"--fp8-format {args.fp8}: this tree computes fp8 in the local "
+                            f"layers through torchao; add --transformer-impl local (Transformer "
+                            f"Engine's own fp8 path is not wired here)")
     from megatron.core.tensor_parallel.fp8_linear import Fp8Unavailable, check_device, \
         require_torchao
 
