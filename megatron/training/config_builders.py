@@ -117,6 +117,8 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        main_grads_dtype=STATE_DTYPES[args.main_grads_dtype],
+        main_params_dtype=STATE_DTYPES[args.main_params_dtype],
         exp_avg_dtype=STATE_DTYPES[args.exp_avg_dtype],
         exp_avg_sq_dtype=STATE_DTYPES[args.exp_avg_sq_dtype],
         overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,

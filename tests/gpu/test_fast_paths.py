@@ -116,19 +116,21 @@ MOMENTS = {"fp32": (torch.float32, torch.float32), "fp16": (torch.float16, torch
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
-@pytest.mark.parametrize("dtype,moments", [(torch.bfloat16, "fp32"), (torch.float16, "fp32"),
-                                           (torch.bfloat16, "fp16"), (torch.bfloat16, "fp8"),
-                                           (torch.bfloat16, "fp8-fp16")],
-                         ids=["bf16", "fp16", "bf16-fp16-moments", "bf16-fp8-moments",
-                              "bf16-fp8-fp16-moments"])
-def test_flat_adam_kernel_on_cuda(distributed, dtype, moments):
+@pytest.mark.parametrize("dtype,moments,lean", [
+    (torch.bfloat16, "fp32", False), (torch.float16, "fp32", False),
+    (torch.bfloat16, "fp16", False), (torch.bfloat16, "fp8", False),
+    (torch.bfloat16, "fp8-fp16", False), (torch.bfloat16, "fp8-fp16", True)],
+    ids=["bf16", "fp16", "bf16-fp16-moments", "bf16-fp8-moments", "bf16-fp8-fp16-moments",
+         "bf16-fp8-fp16-moments-bf16-grads-fp16-mains"])
+def test_flat_adam_kernel_on_cuda(distributed, dtype, moments, lean):
     from tests.unit.flat_adam_interpreted import mismatches, run
 
     # Fixed gradients: a comparison through training would let bf16 forward passes of
     # weights one rounding apart drift, which says nothing about the kernel.
     expected = run(distributed, kernel=False, device="cuda", dtype=dtype,
-                   moments=MOMENTS[moments])
-    got = run(distributed, kernel=True, device="cuda", dtype=dtype, moments=MOMENTS[moments])
+                   moments=MOMENTS[moments], lean=lean)
+    got = run(distributed, kernel=True, device="cuda", dtype=dtype, moments=MOMENTS[moments],
+              lean=lean)
     worst, wrong = mismatches(expected, got, model_rounding=True)
     print(f"flat Adam kernel, {dtype}, moments {moments}, "
           f"{'distributed' if distributed else 'plain'}: {len(got.regions)} region(s), "

@@ -148,8 +148,12 @@ def test_upstream_flag_spellings_and_negations(world):
     (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --bf16 or --fp16"),
     (["--bf16", "--exp-avg-dtype", "fp16"], "--exp-avg-dtype fp16 needs "
                                              "--use-precision-aware-optimizer"),
-    (["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
-     "bf16 main gradients are not implemented yet"),
+    (["--bf16", "--main-params-dtype", "fp16"], "--main-params-dtype fp16 needs "
+                                                "--use-precision-aware-optimizer"),
+    (["--fp16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+     "--main-grads-dtype bf16 needs --bf16"),
+    (["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+      "--accumulate-allreduce-grads-in-fp32"], "drop --accumulate-allreduce-grads-in-fp32"),
     (["--first-last-layers-bf16"], "--first-last-layers-bf16 needs --fp8-format"),
 ])
 def test_more_inconsistent_flags(world, argv, message):
@@ -222,6 +226,11 @@ def test_precision_aware_optimizer_reaches_the_optimizer_config(world):
     assert low.accumulate_allreduce_grads_in_fp32  # the flat Adam reads fp32 gradients
     config = optimizer_config_from_args(low)
     assert (config.exp_avg_dtype, config.exp_avg_sq_dtype) == (torch.uint8, torch.float16)
+    lean = validate_args(parsed("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype",
+                                "bf16", "--main-params-dtype", "fp16"))
+    assert not lean.accumulate_allreduce_grads_in_fp32  # bf16 gradient buffers
+    config = optimizer_config_from_args(lean)
+    assert (config.main_grads_dtype, config.main_params_dtype) == (torch.bfloat16, torch.float16)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -23,16 +23,19 @@ from tests.unit.test_optimizer_single import LR, WD, Dense, batches, ddp, max_di
 
 
 def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0,
-          device="cpu", moments=(torch.float32, torch.float32)):
+          device="cpu", moments=(torch.float32, torch.float32), main_grads=torch.float32,
+          main_params=torch.float32):
     # Overlapped reduction, so that the buffer has buckets (the distributed optimizer's regions).
     model = ddp(Dense(dtype, seed=seed).to(device), use_distributed_optimizer=distributed,
-                grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=100)
+                grad_reduce_in_fp32=main_grads == torch.float32, overlap_grad_reduce=True,
+                bucket_size=100)
     flag = "bf16" if dtype == torch.bfloat16 else "fp16"
     optimizer = get_megatron_optimizer(
         OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=clip_grad, initial_loss_scale=2.0**8,
                         use_distributed_optimizer=distributed,
                         use_precision_aware_optimizer=flat, exp_avg_dtype=moments[0],
-                        exp_avg_sq_dtype=moments[1], **{flag: True}), [model])
+                        exp_avg_sq_dtype=moments[1], main_grads_dtype=main_grads,
+                        main_params_dtype=main_params, **{flag: True}), [model])
     return model, optimizer
 
 

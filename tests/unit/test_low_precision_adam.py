@@ -156,10 +156,71 @@ def test_low_precision_moments_need_the_flat_adam_and_fp32_gradients():
                                          "or fp8"):
         OptimizerConfig(lr=LR, bf16=True, use_precision_aware_optimizer=True,
                         exp_avg_sq_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="main_params_dtype=torch.float16 is not supported"):
-        OptimizerConfig(lr=LR, bf16=True, use_precision_aware_optimizer=True,
-                        main_params_dtype=torch.float16)
+    with pytest.raises(ValueError, match="main_params_dtype=torch.float16 needs "
+                                         "use_precision_aware_optimizer=True"):
+        OptimizerConfig(lr=LR, bf16=True, main_params_dtype=torch.float16)
+    with pytest.raises(ValueError, match="main_grads_dtype=torch.bfloat16 needs bf16=True"):
+        OptimizerConfig(lr=LR, fp16=True, use_precision_aware_optimizer=True,
+                        main_grads_dtype=torch.bfloat16)
     model = ddp(Dense(torch.bfloat16), grad_reduce_in_fp32=False)
-    with pytest.raises(ValueError, match="must be fp32: build DDP with grad_reduce_in_fp32=True"):
+    with pytest.raises(ValueError, match="in main_grads_dtype torch.float32: build DDP with "
+                                         "grad_reduce_in_fp32=True"):
         get_megatron_optimizer(OptimizerConfig(lr=LR, bf16=True,
                                                use_precision_aware_optimizer=True), [model])
+
+
+def build_low(main_grads=torch.float32, main_params=torch.float32, distributed=False, seed=0,
+              moments=(torch.float32, torch.float32)):
+    model = ddp(Dense(torch.bfloat16, seed=seed), use_distributed_optimizer=distributed,
+                grad_reduce_in_fp32=main_grads == torch.float32, overlap_grad_reduce=True,
+                bucket_size=100)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=0.1, bf16=True,
+                        use_distributed_optimizer=distributed, use_precision_aware_optimizer=True,
+                        main_grads_dtype=main_grads, main_params_dtype=main_params,
+                        exp_avg_dtype=moments[0], exp_avg_sq_dtype=moments[1]), [model])
+    return model, optimizer
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+@pytest.mark.parametrize("main_grads,main_params", [(torch.bfloat16, torch.float32),
+                                                    (torch.float32, torch.float16),
+                                                    (torch.bfloat16, torch.float16)],
+                         ids=["bf16-grads", "fp16-mains", "both"])
+def test_bf16_gradients_and_fp16_main_parameters_train_close_to_fp32(main_grads, main_params,
+                                                                     distributed):
+    reference, reference_optimizer = build_low(distributed=distributed)
+    model, optimizer = build_low(main_grads, main_params, distributed=distributed)
+    for region in optimizer.flat_adam.regions:
+        assert (region.grad.dtype, region.main.dtype) == (main_grads, main_params)
+    norms = []
+    for seed in range(6):
+        norms.append([train_step(m, o, batches(2, torch.bfloat16, seed=seed))[1]
+                      for m, o in ((reference, reference_optimizer), (model, optimizer))])
+    assert all(norm == pytest.approx(low, rel=0.05) for norm, low in norms)
+    assert all(main.grad is None for main in optimizer.get_parameters())  # read from buffers
+    moved = max(p.detach().float().abs().max().item() for p in reference.module.parameters())
+    assert max_diff(reference, model) < 0.02 * moved
+    for main in optimizer.get_parameters():
+        assert main.dtype == main_params
+
+
+def test_fp16_main_parameters_save_fp32_and_load_without_rounding_the_moments():
+    model, optimizer = build_low(torch.bfloat16, torch.float16)
+    train_step(model, optimizer, batches(1, torch.bfloat16))
+    first = optimizer.get_parameters()[0]
+    optimizer.optimizer.state[first]["exp_avg_sq"].fill_(1e-12)  # far below fp16's range
+    saved = copy.deepcopy(optimizer.state_dict())
+    optimizer.settle_state()
+    assert {main.dtype for group in saved["fp32_from_fp16_params"] for main in group} == \
+        {torch.float32}
+    twin, twin_optimizer = build_low(torch.bfloat16, torch.float16, seed=5)
+    twin.module.load_state_dict(model.module.state_dict())
+    twin_optimizer.load_state_dict(saved)
+    twin_first = twin_optimizer.get_parameters()[0]
+    assert torch.equal(twin_optimizer.optimizer.state[twin_first]["exp_avg_sq"],
+                       torch.full(first.shape, 1e-12))
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        for seed in (7, 8):
+            train_step(m, o, batches(1, torch.bfloat16, seed=seed))
+    assert max_diff(model, twin) == 0.0

@@ -256,7 +256,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """
         state = {
             "optimizer": self._torch_state_dict(),
-            "shard_main_params": [[main for param, _, main in entries
+            "shard_main_params": [[main.float() for param, _, main in entries
                                    if param.dtype in HALF_DTYPES]
                                   for entries in self.shard_groups],
             "layout": self._layout_signature(),
@@ -273,7 +273,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError(
                 "this distributed-optimizer state was saved with a different data-parallel "
                 "layout (size, rank or sharding); it can only be loaded by the same layout")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._load_torch_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         with torch.no_grad():

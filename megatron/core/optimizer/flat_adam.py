@@ -91,7 +91,13 @@ class FlatAdamW:
     def __init__(self, torch_optimizer: torch.optim.Optimizer,
                  locations: Sequence[MainLocation], regions: Sequence[tuple[object, int, int]],
                  exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32):
+                 exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 grad_dtype: torch.dtype = torch.float32,
+                 main_dtype: torch.dtype = torch.float32):
+        if grad_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the flat Adam reads fp32 or bf16 gradients, not {grad_dtype}")
+        if main_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"the flat Adam keeps fp32 or fp16 main parameters, not {main_dtype}")
         if not isinstance(torch_optimizer, torch.optim.AdamW):
             raise TypeError("the flat Adam steps a torch.optim.AdamW's parameters, got a "
                             f"{type(torch_optimizer).__name__}")
@@ -107,7 +113,7 @@ class FlatAdamW:
                 raise ValueError(f"the flat Adam keeps {kind} in fp32, fp16 or fp8, not {dtype}")
             self.storage[kind] = MOMENT_STORAGE[dtype]
         self.scaled = any(is_scaled(dtype) for dtype in self.storage.values())
-        spans = self._make_regions(regions, self.storage)
+        spans = self._make_regions(regions, self.storage, grad_dtype, main_dtype)
         self.regions = [region for per_buffer in spans.values() for _, _, region in per_buffer]
         device = self.regions[0].main.device if self.regions else torch.device("cpu")
         self.steps = torch.zeros(len(locations), dtype=torch.float32, device=device)
@@ -118,6 +124,9 @@ class FlatAdamW:
                     for p in group["params"]}
         self.entries = [self._move_into_region(index, location, spans, group_of)
                         for index, location in enumerate(locations)]
+        self._gradients = [(entry.main, entry.region.grad[
+            entry.offset:entry.offset + entry.main.numel()].view(entry.main.shape))
+            for entry in self.entries]
         self._bind_state()
         self._kernel = triton_kernel() if device.type == "cuda" else None
         if self._kernel is not None:
@@ -125,17 +134,19 @@ class FlatAdamW:
 
     @staticmethod
     @torch.no_grad()
-    def _make_regions(regions, storage: dict[str, torch.dtype]
-                      ) -> dict[int, list[tuple[int, int, _Region]]]:
+    def _make_regions(regions, storage: dict[str, torch.dtype], grad_dtype: torch.dtype,
+                      main_dtype: torch.dtype) -> dict[int, list[tuple[int, int, _Region]]]:
         """Per buffer (by id), its regions as (lo, hi, region), sorted by lo."""
         spans: dict[int, list[tuple[int, int, _Region]]] = {}
         for buffer, lo, hi in regions:
-            if buffer.grad_data.dtype != torch.float32:
+            if buffer.grad_data.dtype != grad_dtype:
+                reduce_in_fp32 = grad_dtype == torch.float32
                 raise ValueError(
                     f"the flat Adam (use_precision_aware_optimizer) reads the gradients where "
-                    f"DDP reduced them, so they must be fp32: build DDP with "
-                    f"grad_reduce_in_fp32=True (--accumulate-allreduce-grads-in-fp32), got "
-                    f"{buffer.grad_data.dtype} gradients")
+                    f"DDP reduced them, in main_grads_dtype {grad_dtype}: build DDP with "
+                    f"grad_reduce_in_fp32={reduce_in_fp32} (--accumulate-allreduce-grads-in-fp32 "
+                    f"{'on' if reduce_in_fp32 else 'off'}), got {buffer.grad_data.dtype} "
+                    f"gradients")
             buffer.ensure_param_data()
             device = buffer.grad_data.device
 
@@ -143,7 +154,7 @@ class FlatAdamW:
                 return torch.zeros(hi - lo, dtype=dtype, device=device)
 
             region = _Region(grad=buffer.grad_data[lo:hi], model=buffer.param_data[lo:hi],
-                             main=zeros(), exp_avg=zeros(storage["exp_avg"]),
+                             main=zeros(main_dtype), exp_avg=zeros(storage["exp_avg"]),
                              exp_avg_sq=zeros(storage["exp_avg_sq"]))
             spans.setdefault(id(buffer), []).append((lo, hi, region))
         for per_buffer in spans.values():
@@ -174,6 +185,35 @@ class FlatAdamW:
                       step=self.steps[index])
 
     # ------------------------------------------------------------ state in torch's format
+
+    def gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(main parameter, its gradient): views of the buffers' reduced gradients, in the
+        order of the main parameters given."""
+        return self._gradients
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A torch AdamW ``state_dict()`` of these parameters (in their order), stored into
+        the flat state directly: torch's own loader would first cast each moment to its
+        parameter's dtype (fp16 main parameters)."""
+        groups = self.optimizer.param_groups
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+            raise ValueError("the loaded optimizer state has other parameter groups than this "
+                             "optimizer")
+        for group, saved in zip(groups, saved_groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        index_of = {id(entry.main): index for index, entry in enumerate(self.entries)}
+        saved_state = state_dict["state"]
+        for position, main in enumerate(p for group in groups for p in group["params"]):
+            index = index_of[id(main)]
+            loaded = saved_state.get(position, {})
+            for kind in MOMENTS:
+                self.set_moment(index, kind, loaded[kind] if kind in loaded
+                                else torch.zeros(main.shape))
+            self.entries[index].step.fill_(float(loaded.get("step", 0.0)))
+            self.optimizer.state[main] = self._state_of(index)
+        self.settle()
 
     def _state_of(self, index: int):
         entry = self.entries[index]
@@ -290,7 +330,8 @@ class FlatAdamW:
             hyper_tensor = hyper_tensor.pin_memory().to(device, non_blocking=True)
         scale = (grad_scale.reshape(1).float() if grad_scale is not None
                  else torch.ones(1, dtype=torch.float32, device=device))
-        flags = {"M_SCALED": is_scaled(self.storage["exp_avg"]),
+        flags = {"MAIN_FP16": self.entries[0].main.dtype == torch.float16,
+                 "M_SCALED": is_scaled(self.storage["exp_avg"]),
                  "V_SCALED": is_scaled(self.storage["exp_avg_sq"]),
                  "V_FP8": self.storage["exp_avg_sq"] == torch.float8_e4m3fn}
         new_scales = self.scales
@@ -320,18 +361,21 @@ class FlatAdamW:
         for index, (entry, step) in enumerate(zip(self.entries, steps)):
             lr, weight_decay, beta1, beta2, eps = hyper[entry.group]
             numel = entry.main.numel()
-            grad = entry.region.grad[entry.offset:entry.offset + numel].view(entry.main.shape)
+            grad = self._gradients[index][1].float()  # the same tensor where fp32
             if grad_scale is not None:
                 grad = grad / grad_scale
             exp_avg, exp_avg_sq = (self.moment(index, kind) for kind in MOMENTS)
-            entry.main.mul_(1.0 - lr * weight_decay)
+            main = entry.main.float()  # fp16 main parameters: computed in fp32, stored rounded
+            main.mul_(1.0 - lr * weight_decay)
             exp_avg.lerp_(grad, 1.0 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
             correction2_sqrt = (1.0 - beta2 ** step) ** 0.5
             denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(eps)
-            entry.main.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
+            main.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1 ** step))
+            if main is not entry.main:
+                entry.main.copy_(main)
             model = entry.region.model[entry.offset:entry.offset + numel]
-            model.copy_(entry.main.reshape(-1))
+            model.copy_(main.reshape(-1))
             for kind in MOMENTS:  # one parameter's fp32 copies at a time
                 self._store(index, kind)
 

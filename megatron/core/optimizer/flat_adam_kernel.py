@@ -2,7 +2,8 @@
 
 A row is (start, length, group, entry): a whole block at a multiple of BLOCK (``FULL``, no
 mask, so the accesses vectorise) or a parameter's head or tail. The arithmetic is the torch
-path's in ``flat_adam`` (torch AdamW's), with the gradient divided by ``scale``.
+path's in ``flat_adam`` (torch AdamW's) in fp32, with the gradient (fp32 or bf16) divided by
+``scale``; fp16 main parameters (``MAIN_FP16``) are stored rounded to nearest.
 
 Scaled moments (``M_SCALED`` / ``V_SCALED``: fp16 or fp8 storage, ``low_precision``) take two
 launches: ``AMAX_ONLY`` computes the updated moments and keeps each entry's largest magnitude
@@ -28,7 +29,8 @@ def triton_kernel():
     @triton.jit
     def adamw_region(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, chunks_ptr,
                      hyper_ptr, steps_ptr, scale_ptr, scales_ptr, new_scales_ptr, amax_ptr,
-                     BLOCK: tl.constexpr, FULL: tl.constexpr, M_SCALED: tl.constexpr,
+                     BLOCK: tl.constexpr, FULL: tl.constexpr, MAIN_FP16: tl.constexpr,
+                     M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, V_FP8: tl.constexpr, AMAX_ONLY: tl.constexpr):
         row = chunks_ptr + tl.program_id(0) * 4
         start = tl.load(row)
@@ -52,7 +54,7 @@ def triton_kernel():
             at = start + lanes
             mask = lanes < tl.load(row + 1)
             other = 0.0
-        grad = tl.load(grad_ptr + at, mask=mask, other=other) * inv_scale
+        grad = tl.load(grad_ptr + at, mask=mask, other=other).to(tl.float32) * inv_scale
         exp_avg = tl.load(exp_avg_ptr + at, mask=mask, other=other).to(tl.float32)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + at, mask=mask, other=other).to(tl.float32)
         if M_SCALED:
@@ -67,10 +69,14 @@ def triton_kernel():
         else:
             step_size = lr / (1.0 - tl.exp(step * tl.log(beta1)))
             correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
-            main = tl.load(main_ptr + at, mask=mask, other=other)
+            main = tl.load(main_ptr + at, mask=mask, other=other).to(tl.float32)
             main = main * (1.0 - lr * weight_decay)
             main = main - step_size * exp_avg / (tl.sqrt(exp_avg_sq) / correction2_sqrt + eps)
-            tl.store(main_ptr + at, main, mask=mask)
+            if MAIN_FP16:
+                tl.store(main_ptr + at, main.to(tl.float16, fp_downcast_rounding="rtne"),
+                         mask=mask)
+            else:
+                tl.store(main_ptr + at, main, mask=mask)
             tl.store(model_ptr + at,
                      main.to(model_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
             if M_SCALED:

@@ -257,6 +257,14 @@ class MegatronOptimizer(ABC):
         state["state"] = {key: dict(value) for key, value in state["state"].items()}
         return state
 
+    def _load_torch_state_dict(self, state_dict: dict) -> None:
+        """The torch optimizer's ``load_state_dict``, or the flat Adam's where it steps."""
+        flat = getattr(self, "flat_adam", None)
+        if flat is not None:
+            flat.load_state_dict(state_dict)
+        else:
+            self.optimizer.load_state_dict(state_dict)
+
     def settle_state(self) -> None:
         """Let go of fp32 copies of low-precision optimizer state that state readers (a
         checkpoint save or load) were handed, storing back what they wrote."""
@@ -344,7 +352,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.flat_adam = FlatAdamW(self.optimizer, self._main_locations(buffers),
                                    self._flat_regions(buffers),
                                    exp_avg_dtype=self.config.exp_avg_dtype,
-                                   exp_avg_sq_dtype=self.config.exp_avg_sq_dtype)
+                                   exp_avg_sq_dtype=self.config.exp_avg_sq_dtype,
+                                   grad_dtype=self.config.main_grads_dtype,
+                                   main_dtype=self.config.main_params_dtype)
 
     def settle_state(self) -> None:
         if self.flat_adam is not None:
@@ -379,7 +389,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         self.found_inf.fill_(0.0)
-        grads = self._main_grads()
+        grads = self._main_grads() if self.flat_adam is None else self._flat_grads()
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, self.found_inf, self.grad_scaler.inv_scale.to(self.found_inf.device))
@@ -394,8 +404,50 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _prepare_grads_without_scaler_update(self) -> bool:
-        self._copy_model_grads_to_main_grads()
+        if self.flat_adam is None:  # the flat Adam reads them where DDP reduced them
+            self._copy_model_grads_to_main_grads()
         return self.grad_scaler is not None and self._unscale_main_grads_and_check_for_nan()
+
+    # The flat Adam's gradients are views of the DDP buffers, not the main parameters' .grad
+    # (their dtype may differ: bf16 main gradients); statistics and clipping use them.
+
+    def _flat_grads(self) -> list[torch.Tensor]:
+        return [grad for _, grad in self.flat_adam.gradients()]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        if self.flat_adam is None:
+            return super().get_main_grads_for_grad_norm()
+        tp_rank = resolve_tensor_parallel_rank(self.tensor_parallel_group)
+        return [grad for main, grad in self.flat_adam.gradients()
+                if counts_toward_grad_stats(main, tp_rank)]
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        if self.flat_adam is None:
+            return super().clip_grad_norm(clip_grad)
+        grad_norm = self.get_grad_norm()
+        self._clip_to_total_norm(clip_grad, grad_norm)
+        return grad_norm
+
+    def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
+        if self.flat_adam is None:
+            super()._clip_to_total_norm(clip_grad, total_norm)
+            return
+        coefficient = clip_grad / (total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
+        grads = self._flat_grads()
+        if coefficient < 1.0 and grads:
+            torch._foreach_mul_(grads, coefficient)
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        if self.flat_adam is None:
+            return super().count_zeros()
+        grads = self.get_main_grads_for_grad_norm()
+        total = torch.zeros(1, dtype=torch.float32, device=self.found_inf.device)
+        for grad in grads:
+            total += grad.numel() - torch.count_nonzero(grad)
+        self.get_grad_stats_parallel_group().all_reduce(total)
+        return total.item()
 
     def _update_loss_scale(self, found_inf: bool) -> None:
         if self.grad_scaler is not None:
@@ -502,13 +554,14 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     def state_dict(self) -> dict:
         state = {"optimizer": self._torch_state_dict(),
-                 "fp32_from_fp16_params": self.fp32_from_float16_groups}
+                 "fp32_from_fp16_params": [[main.float() for main in group]  # fp16 mains too
+                                           for group in self.fp32_from_float16_groups]}
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(restore_common_step(state_dict["optimizer"]))
+        self._load_torch_state_dict(restore_common_step(state_dict["optimizer"]))
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         saved_groups = state_dict["fp32_from_fp16_params"]

@@ -11,11 +11,12 @@ from megatron.core.optimizer.low_precision import MOMENT_STORAGE
 
 # Fields that must keep their neutral value in this tree, and why.
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
-    "main_grads_dtype": (torch.float32, "main gradients are fp32 (bf16 ones are not "
-                         "implemented yet)"),
-    "main_params_dtype": (torch.float32, "main parameters are fp32 (fp16 ones are not "
-                          "implemented yet)"),
     "config_logger_dir": ("", "config logging is not implemented"),
+}
+# Field -> the dtypes it takes; all but fp32 need use_precision_aware_optimizer (the flat Adam).
+_FLAT_ADAM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "main_grads_dtype": (torch.float32, torch.bfloat16),
+    "main_params_dtype": (torch.float32, torch.float16),
 }
 _MOMENT_DTYPES = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
@@ -52,9 +53,12 @@ class OptimizerConfig:
     out like the DDP buffers and writes the model's weights in the same pass; the moments may
     be kept in fp16 or fp8 (below)."""
     main_grads_dtype: torch.dtype = torch.float32
-    """Must stay fp32."""
+    """With use_precision_aware_optimizer and bf16: torch.bfloat16 accumulates and reduces the
+    gradients in bf16 (DDP's grad_reduce_in_fp32=False), which the flat Adam reads as they
+    are."""
     main_params_dtype: torch.dtype = torch.float32
-    """Must stay fp32."""
+    """With use_precision_aware_optimizer: torch.float16 keeps the main parameters in fp16
+    (updated in fp32, stored rounded to nearest; checkpoints still hold fp32)."""
     exp_avg_dtype: torch.dtype = torch.float32
     """With use_precision_aware_optimizer: fp32, fp16, or fp8 (torch.uint8 as upstream names
     it, or torch.float8_e4m3fn), each parameter's moment with a power-of-two scale
@@ -109,6 +113,16 @@ class OptimizerConfig:
                     f"OptimizerConfig.{name}={value!r} is not supported by this tree: "
                     f"{reason}; keep it {neutral!r}"
                 )
+        for name, dtypes in _FLAT_ADAM_DTYPES.items():
+            value = getattr(self, name)
+            if value not in dtypes:
+                raise ValueError(f"OptimizerConfig.{name} must be one of {dtypes}, got {value!r}")
+            if value != torch.float32 and not self.use_precision_aware_optimizer:
+                raise ValueError(f"OptimizerConfig.{name}={value!r} needs "
+                                 f"use_precision_aware_optimizer=True (the flat Adam keeps "
+                                 f"low-precision optimizer tensors)")
+        if self.main_grads_dtype == torch.bfloat16 and not self.bf16:
+            raise ValueError("OptimizerConfig.main_grads_dtype=torch.bfloat16 needs bf16=True")
         for name in _MOMENT_DTYPES:
             value = getattr(self, name)
             if value not in MOMENT_STORAGE:

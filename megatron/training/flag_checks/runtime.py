@@ -21,20 +21,26 @@ def check_precision(args: argparse.Namespace) -> None:
         raise ArgumentError("--use-precision-aware-optimizer needs --bf16 or --fp16 and "
                             "--optimizer adam: it keeps fp32 main weights beside half-precision "
                             "ones")
-    for flag in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+    for flag in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype"):
         if getattr(args, flag) != "fp32" and not args.use_precision_aware_optimizer:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)} needs "
                                 f"--use-precision-aware-optimizer (its Adam keeps "
-                                f"low-precision moments)")
-    if args.use_precision_aware_optimizer:
-        # Its Adam reads the gradients where DDP reduced them, in fp32.
+                                f"low-precision optimizer tensors)")
+    if args.main_grads_dtype == "bf16":
+        if not args.bf16:
+            raise ArgumentError("--main-grads-dtype bf16 needs --bf16")
+        if args.accumulate_allreduce_grads_in_fp32:
+            raise ArgumentError("--main-grads-dtype bf16 accumulates and reduces gradients in "
+                                "bf16; drop --accumulate-allreduce-grads-in-fp32")
+    elif args.use_precision_aware_optimizer:
+        # Its Adam reads the gradients where DDP reduced them, in main_grads_dtype.
         args.accumulate_allreduce_grads_in_fp32 = True
     args.params_dtype = (torch.float16 if args.fp16 else
                          torch.bfloat16 if args.bf16 else torch.float32)
     if args.fp16 and not args.loss_scale:
         # As upstream: with dynamic loss scaling an overflow is a signal to the scaler.
         args.check_for_nan_in_loss_and_grad = False
-    if args.bf16:
+    if args.bf16 and args.main_grads_dtype == "fp32":
         # As upstream: bf16's 8-bit mantissa drops small gradient contributions, so gradients
         # are accumulated over microbatches and reduced in fp32 (also the optimizer's dtype).
         args.accumulate_allreduce_grads_in_fp32 = True

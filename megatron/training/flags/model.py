@@ -182,8 +182,6 @@ class TransformerEngineArgs:
     inference_rng_tracker: bool = unavailable(False, "inference is not part of this tree")
 
 
-_MAIN_GRADS = "bf16 main gradients are not implemented yet (issue 25); keep fp32"
-_MAIN_PARAMS = "fp16 main parameters are not implemented yet (issue 25); keep fp32"
 
 
 @dataclasses.dataclass
@@ -201,8 +199,12 @@ class ExperimentalArgs:
         False, "Adam over flat fp32 main parameters and moments laid out like the DDP buffers, "
                "writing the bf16/fp16 weights in the same pass (fp32 gradients; the moments "
                "in --exp-avg-dtype / --exp-avg-sq-dtype)")
-    main_grads_dtype: str = unavailable("fp32", _MAIN_GRADS, choices=("fp32", "bf16"))
-    main_params_dtype: str = unavailable("fp32", _MAIN_PARAMS, choices=("fp32", "fp16"))
+    main_grads_dtype: str = option(
+        "fp32", "dtype gradients are accumulated and reduced in, which the Adam of "
+        "--use-precision-aware-optimizer reads (bf16 needs --bf16)", choices=("fp32", "bf16"))
+    main_params_dtype: str = option(
+        "fp32", "dtype of the main parameters with --use-precision-aware-optimizer (fp16: "
+        "updated in fp32 and stored rounded; checkpoints hold fp32)", choices=("fp32", "fp16"))
     exp_avg_dtype: str = option(
         "fp32", "dtype of Adam's first moment with --use-precision-aware-optimizer (fp16 and "
         "fp8 e4m3 with a power-of-two scale per parameter)", choices=("fp32", "fp16", "fp8"))
