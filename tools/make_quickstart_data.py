@@ -57,17 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     model_path = os.path.join(args.output_dir, "tokenizer.model")
     train_tokenizer(CORPUS, model_path, args.vocab_size)
-    prefix = os.path.join(args.output_dir, "corpus")
+    return tokenize_corpus(CORPUS, args.output_dir, model_path, args.workers, "quickstart data")
+
+
+def tokenize_corpus(corpus: str, output_dir: str, model_path: str, workers: int,
+                    what: str) -> int:
+    """``corpus`` (JSON lines) tokenized into ``output_dir/corpus_text_document.{bin,idx}``;
+    prints the flags that train on it; returns preprocess_data's status."""
+    prefix = os.path.join(output_dir, "corpus")
     status = preprocess_data.main([
-        "--input", CORPUS, "--output-prefix", prefix, "--json-keys", "text",
+        "--input", corpus, "--output-prefix", prefix, "--json-keys", "text",
         "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model_path,
-        "--append-eod", "--workers", str(args.workers), "--log-interval", "10000"])
-    if status != 0:
-        return status
-    print(f"quickstart data ready; train with:\n"
-          f"  --data-path {prefix}_text_document --split 949,50,1 "
-          f"--tokenizer-type Llama2Tokenizer --tokenizer-model {model_path}")
-    return 0
+        "--append-eod", "--workers", str(workers), "--log-interval", "100000"])
+    if status == 0:
+        print(f"{what} ready; train with:\n"
+              f"  --data-path {prefix}_text_document --split 949,50,1 "
+              f"--tokenizer-type Llama2Tokenizer --tokenizer-model {model_path}")
+    return status
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ import json
 import os
 import sys
 
-import preprocess_data
-from make_quickstart_data import train_tokenizer
+from make_quickstart_data import tokenize_corpus, train_tokenizer
 
 SUFFIXES = (".md", ".rst", ".txt", ".py")
 SKIPPED_PARTS = {"__pycache__", ".git", "tests", "test"}
@@ -91,16 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     write_sample(corpus, sample, int(args.tokenizer_sample_megabytes * 2**20))
     model_path = os.path.join(args.output_dir, "tokenizer.model")
     train_tokenizer(sample, model_path, args.vocab_size)
-    prefix = os.path.join(args.output_dir, "corpus")
-    status = preprocess_data.main([
-        "--input", corpus, "--output-prefix", prefix, "--json-keys", "text",
-        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model_path,
-        "--append-eod", "--workers", str(args.workers), "--log-interval", "100000"])
-    if status != 0:
-        return status
-    print(f"corpus ready; train with:\n  --data-path {prefix}_text_document --split 949,50,1 "
-          f"--tokenizer-type Llama2Tokenizer --tokenizer-model {model_path}")
-    return 0
+    return tokenize_corpus(corpus, args.output_dir, model_path, args.workers, "corpus")
 
 
 if __name__ == "__main__":
