@@ -81,7 +81,7 @@ def check_device(device: torch.device) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _torchao_configs(recipe: Fp8Recipe, emulate: bool):
+def _torchao_configs(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool):
     float8_config, float8_linear = require_torchao()
     cast = float8_config.CastConfig
     granularity = (float8_config.ScalingGranularity.TENSORWISE if recipe.scaling == "tensorwise"
@@ -101,7 +101,8 @@ def _torchao_configs(recipe: Fp8Recipe, emulate: bool):
         cast_config_weight_for_grad_input=e4m3,
         cast_config_grad_output_for_grad_weight=operand(grad_dtype, recipe.wgrad),
         # Rowwise scales are powers of two, as torchao's own rowwise recipe has them.
-        round_scales_to_power_of_2=recipe.scaling == "rowwise", emulate=emulate)
+        round_scales_to_power_of_2=recipe.scaling == "rowwise", emulate=emulate,
+        pad_inner_dim=pad_inner_dim)
     gemm = float8_linear.ScaledMMConfig
     mm_config = float8_linear.LinearMMConfig(
         gemm(emulate, config.gemm_config_output.use_fast_accum, False, config.pad_inner_dim),
@@ -121,6 +122,10 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         input_ = gather_from_sequence_parallel_region(input_, group=group)
     elif allreduce_dgrad:
         input_ = copy_to_tensor_model_parallel_region(input_, group=group)
-    matmul, config, mm_config = _torchao_configs(recipe, emulate=input_.device.type != "cuda")
+    # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is the
+    # token count, which variable sequence lengths may leave uneven: padded then (a copy).
+    tokens = input_.numel() // max(input_.shape[-1], 1)
+    matmul, config, mm_config = _torchao_configs(recipe, emulate=input_.device.type != "cuda",
+                                                 pad_inner_dim=tokens % 16 != 0)
     output = matmul.apply(input_, weight.t(), mm_config, config)
     return output if bias is None else output + bias

@@ -152,7 +152,8 @@ _DELAYED_SCALING_FLAGS = {"fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_
 
 def check_fp8(args: argparse.Namespace) -> None:
     """--fp8-format: torchao is there, the GPU has float8 matmuls, and the linears' output
-    widths are multiples of 16 (what the float8 GEMM takes; inner widths are padded)."""
+    and input widths are multiples of 16 (what the float8 GEMM takes; uneven token counts are
+    padded)."""
     if args.fp8 is None:
         if args.first_last_layers_bf16:
             raise ArgumentError("--first-last-layers-bf16 needs --fp8-format")
