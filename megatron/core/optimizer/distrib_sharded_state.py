@@ -75,7 +75,7 @@ def distributed_sharded_state_dict(optimizer, model_sharded_state_dict: dict,
             raise CheckpointingException(f"{entry.key}: replica_id {replica!r} is not "
                                          f"(pipeline, tensor, data-parallel)")
         replica = (*replica[:2], optimizer.distributed_optimizer_instance_id)
-        tensors = {MAIN_PARAM: main, **{kind: value for kind, value in
+        tensors = {MAIN_PARAM: main.float(), **{kind: value for kind, value in  # fp16 mains
                                         optimizer.optimizer.state.get(main, {}).items()
                                         if kind != "step"}}
         param_state[index] = {
