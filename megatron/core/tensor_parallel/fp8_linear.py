@@ -12,8 +12,10 @@ matmuls' operands are cast.
 The layer's communication is composed around torchao's matmul (an autograd function): the
 sequence-parallel all-gather / reduce-scatter, or the input-gradient all-reduce, as the
 autograd-aware mappings. What the bf16 path fuses (the weight gradient accumulated straight
-into ``main_grad``, the input-gradient reduction overlapped with the weight gradient) is not
-done here: the weight gradient reaches ``main_grad`` through the data-parallel wrapper's hook.
+into ``main_grad``, the input-gradient reduction overlapped with the weight gradient, keeping
+only the sequence shard of the input for backward) is not done here: the weight gradient
+reaches ``main_grad`` through the data-parallel wrapper's hook, and with sequence parallelism
+torchao keeps the gathered input.
 
 torchao is optional, as Transformer Engine is: asking for FP8 without it is a one-line error.
 On a GPU the float8 matmuls need compute capability 8.9 or later (Ada, Hopper); on a CPU
