@@ -270,8 +270,12 @@ def test_fp8_flags_reach_the_transformer_config(world, monkeypatch, capsys):
         ("hybrid", "rowwise", False, True)
     monkeypatch.setattr("megatron.core.transformer.te_backend.transformer_engine_available",
                         lambda: True)
-    with pytest.raises(ArgumentError, match="add --transformer-impl local"):
-        validate_args(parse_args(argv=["--distributed-backend", "gloo", "--fp8-format", "e4m3"]))
+    te_fp8 = validate_args(parse_args(argv=["--distributed-backend", "gloo", "--fp8-format",
+                                            "e4m3"]))  # TE's own fp8 path: no torchao asked
+    assert (te_fp8.transformer_impl, te_fp8.fp8) == ("transformer_engine", "e4m3")
+    with pytest.raises(ArgumentError, match="--fp8-recipe rowwise is torchao's"):
+        validate_args(parse_args(argv=["--distributed-backend", "gloo", "--fp8-format", "e4m3",
+                                       "--fp8-recipe", "rowwise"]))
     monkeypatch.undo()
     world(1)
     monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)

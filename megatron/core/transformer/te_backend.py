@@ -67,6 +67,24 @@ def require_transformer_engine() -> None:
     _import_te()
 
 
+def fp8_autocast(config, fp8_group: Any = None):
+    """Transformer Engine's ``fp8_autocast`` with the delayed-scaling recipe that ``config``
+    describes, as upstream 0.11 enters it around its transformer layers: ``fp8`` e4m3 or hybrid,
+    ``fp8_margin``, ``fp8_amax_history_len``, ``fp8_amax_compute_algo``, and the
+    weight-gradient GEMM in high precision without ``fp8_wgrad``; amax values are reduced over
+    ``fp8_group``."""
+    te_pytorch = _import_te()
+    from transformer_engine.common import recipe
+
+    scaling = recipe.DelayedScaling(
+        margin=config.fp8_margin,
+        fp8_format=recipe.Format.E4M3 if config.fp8 == "e4m3" else recipe.Format.HYBRID,
+        amax_history_len=config.fp8_amax_history_len,
+        amax_compute_algo=config.fp8_amax_compute_algo,
+        override_linear_precision=(False, False, not config.fp8_wgrad))
+    return te_pytorch.fp8_autocast(enabled=True, fp8_recipe=scaling, fp8_group=fp8_group)
+
+
 def attention_backend_environment(backend: AttnBackend) -> dict[str, str]:
     """The NVTE_*_ATTN values that make TE use the kernels ``backend`` names."""
     if backend not in _ATTENTION_KERNEL_FLAGS:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from typing import Any, Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe
 from megatron.core.tensor_parallel.linear import set_fp8
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
@@ -88,19 +90,43 @@ class TransformerBlock(MegatronModule):
             for index in range(self.global_layer_indices.start):
                 replay_draws(config, functools.partial(layer, index))
             self.layers = torch.nn.ModuleList(layer(index) for index in self.global_layer_indices)
-            if config.fp8 is not None:
-                recipe = Fp8Recipe(config.fp8, config.fp8_recipe, config.fp8_wgrad)
-                for index, built in zip(self.global_layer_indices, self.layers):
-                    if config.computes_in_fp8(index + 1) and not set_fp8(built, recipe):
-                        raise ValueError(
-                            f"fp8={config.fp8!r}: this tree computes fp8 in the local layers' "
-                            f"linears (torchao), and layer {index + 1} has none; build it "
-                            f"with the local spec (Transformer Engine's own fp8 path is not "
-                            f"wired here)")
+            # Layers (by position here) that run under Transformer Engine's fp8_autocast.
+            self.te_fp8_layers = self._set_fp8(config)
             self.final_layernorm = None
             if post_process and post_layer_norm:
                 self.final_layernorm = spec.modules().norm(config, config.hidden_size)
         self.num_layers_per_pipeline_rank = len(self.layers)
+
+    def _set_fp8(self, config) -> frozenset:
+        """Switch the layers that compute in fp8: the local layers' linears through torchao;
+        Transformer Engine's layers (no local linears) under TE's own fp8_autocast, which
+        forward enters around them."""
+        if config.fp8 is None:
+            return frozenset()
+        recipe = Fp8Recipe(config.fp8, config.fp8_recipe, config.fp8_wgrad)
+        te_layers = set()
+        for position, (index, built) in enumerate(zip(self.global_layer_indices, self.layers)):
+            if config.computes_in_fp8(index + 1) and not set_fp8(built, recipe):
+                te_layers.add(position)
+        if te_layers and config.fp8_recipe != "tensorwise":
+            raise ValueError(f"fp8_recipe={config.fp8_recipe!r} is torchao's (local layers); "
+                             f"Transformer Engine's layers use its delayed scaling")
+        if te_layers and config.recompute_granularity == "full":
+            raise ValueError("full recompute of Transformer Engine's layers in fp8 needs TE's "
+                             "own checkpointing, which is not wired here; recompute without "
+                             "fp8, or use the local layers (torchao's fp8)")
+        return frozenset(te_layers)
+
+    def _fp8_context(self, position: int):
+        if position not in self.te_fp8_layers:
+            return contextlib.nullcontext()
+        from megatron.core.transformer import te_backend
+
+        group = None
+        if parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_amax_reduction_group(
+                with_context_parallel=True, tp_only_amax_red=self.config.tp_only_amax_red)
+        return te_backend.fp8_autocast(self.config, group)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Use ``input_tensor`` instead of forward's ``hidden_states`` (non-first chunks)."""
@@ -116,10 +142,16 @@ class TransformerBlock(MegatronModule):
         return contextlib.nullcontext()
 
     def _run_layers(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb):
-        for layer in self.layers[start:end]:
-            hidden_states, _ = layer(
-                hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
-            )
+        # Consecutive layers under TE's fp8 share one fp8_autocast (its amax reduction runs
+        # when the region ends).
+        for _, positions in itertools.groupby(range(start, end),
+                                              key=lambda p: p in self.te_fp8_layers):
+            positions = list(positions)
+            with self._fp8_context(positions[0]):
+                for position in positions:
+                    hidden_states, _ = self.layers[position](
+                        hidden_states, attention_mask=attention_mask,
+                        rotary_pos_emb=rotary_pos_emb)
         return hidden_states
 
     def _checkpointed(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb):

@@ -159,9 +159,16 @@ def check_fp8(args: argparse.Namespace) -> None:
             raise ArgumentError("--first-last-layers-bf16 needs --fp8-format")
         return
     if args.transformer_impl == "transformer_engine":  # left after check_runtime: TE is there
-        raise ArgumentError(f"--fp8-format {args.fp8}: this tree computes fp8 in the local "
-                            f"layers through torchao; add --transformer-impl local (Transformer "
-                            f"Engine's own fp8 path is not wired here)")
+        # TE's layers compute fp8 under its fp8_autocast with delayed scaling, as upstream.
+        if args.fp8_recipe != "tensorwise":
+            raise ArgumentError(f"--fp8-recipe {args.fp8_recipe} is torchao's, for "
+                                f"--transformer-impl local; Transformer Engine's layers use its "
+                                f"delayed scaling (--fp8-margin, --fp8-amax-*)")
+        if args.recompute_granularity == "full":
+            raise ArgumentError("--recompute-granularity full with --fp8-format and Transformer "
+                                "Engine's layers needs TE's own checkpointing, which is not "
+                                "wired here; add --transformer-impl local (torchao's fp8)")
+        return
     from megatron.core.tensor_parallel.fp8_linear import Fp8Unavailable, check_device, \
         require_torchao
 
