@@ -111,3 +111,14 @@ def test_the_triton_kernel_under_the_interpreter_matches_the_torch_arithmetic(tr
                           env=env, capture_output=True, text=True, timeout=300)
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.upstream
+def test_the_triton_kernel_compiles_for_hopper_in_every_variant(triton_dir):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(triton_dir), str(repo)])}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-m", "tests.unit.flat_adam_ptx"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
