@@ -64,3 +64,25 @@ def test_recorder_overhead_prints_its_ratio():
     output = run_bench("recorder_overhead.py")
     assert "watchdog" in output
     assert_ratio_line(output, "recorder on/off")
+
+
+def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
+    pytest.importorskip("torchao.float8")
+    data = tmp_path / "corpus"
+    subprocess.run([sys.executable, "tools/make_text_corpus.py", str(data),
+                    str(REPO_ROOT / "megatron"), "--vocab-size", "1000",
+                    "--workers", "1"], cwd=REPO_ROOT, check=True, capture_output=True,
+                   timeout=DEADLINE_S)
+    png = tmp_path / "curves.png"
+    done = subprocess.run(
+        [sys.executable, "bench/loss_curves.py", "--data", str(data), "--steps", "2",
+         "--final-window", "1", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "2", "--distributed-backend", "gloo", "--variants",
+         "bf16,fp8,fp8-state", "--png", str(png)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in ("fp8/bf16", "fp8-state/bf16"):
+        assert re.search(rf"^{name} final loss = \d\.\d{{4}} \(target within", done.stdout,
+                         re.MULTILINE), done.stdout
+    assert png.stat().st_size > 0
