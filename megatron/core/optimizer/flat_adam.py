@@ -206,14 +206,17 @@ class FlatAdamW:
         index_of = {id(entry.main): index for index, entry in enumerate(self.entries)}
         saved_state = state_dict["state"]
         for position, main in enumerate(p for group in groups for p in group["params"]):
-            index = index_of[id(main)]
-            loaded = saved_state.get(position, {})
-            for kind in MOMENTS:
-                self.set_moment(index, kind, loaded[kind] if kind in loaded
-                                else torch.zeros(main.shape))
-            self.entries[index].step.fill_(float(loaded.get("step", 0.0)))
-            self.optimizer.state[main] = self._state_of(index)
+            self._adopt(index_of[id(main)], saved_state.get(position, {}))
         self.settle()
+
+    def _adopt(self, index: int, values) -> None:
+        """Entry ``index``'s state from ``values`` (torch AdamW's keys; those missing are 0)."""
+        entry = self.entries[index]
+        for kind in MOMENTS:
+            self.set_moment(index, kind, values[kind] if kind in values
+                            else torch.zeros(entry.main.shape))
+        entry.step.fill_(float(values.get("step", 0.0)))
+        self.optimizer.state[entry.main] = self._state_of(index)
 
     def _state_of(self, index: int):
         entry = self.entries[index]
@@ -267,14 +270,8 @@ class FlatAdamW:
         state = self.optimizer.state
         for index, entry in enumerate(self.entries):
             current = state.get(entry.main)
-            if self._is_bound(current, index):
-                continue
-            for kind in MOMENTS:
-                self.set_moment(index, kind, current[kind] if current else
-                                torch.zeros(entry.main.shape))
-            entry.step.copy_(torch.as_tensor(current["step"] if current else 0.0,
-                                             dtype=torch.float32))
-            state[entry.main] = self._state_of(index)
+            if not self._is_bound(current, index):
+                self._adopt(index, current or {})
 
     def _is_bound(self, current, index: int) -> bool:
         if isinstance(current, _ScaledEntryState):

@@ -258,12 +258,7 @@ class MegatronOptimizer(ABC):
         return state
 
     def _load_torch_state_dict(self, state_dict: dict) -> None:
-        """The torch optimizer's ``load_state_dict``, or the flat Adam's where it steps."""
-        flat = getattr(self, "flat_adam", None)
-        if flat is not None:
-            flat.load_state_dict(state_dict)
-        else:
-            self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict)
 
     def settle_state(self) -> None:
         """Let go of fp32 copies of low-precision optimizer state that state readers (a
@@ -359,6 +354,12 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def settle_state(self) -> None:
         if self.flat_adam is not None:
             self.flat_adam.settle()
+
+    def _load_torch_state_dict(self, state_dict: dict) -> None:
+        if self.flat_adam is not None:  # torch's loader would cast to fp16 main parameters
+            self.flat_adam.load_state_dict(state_dict)
+        else:
+            super()._load_torch_state_dict(state_dict)
 
     @abstractmethod
     def _main_locations(self, buffers: Sequence[ParamAndGradBuffer]) -> list[MainLocation]:

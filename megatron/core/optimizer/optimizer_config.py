@@ -13,12 +13,16 @@ from megatron.core.optimizer.low_precision import MOMENT_STORAGE
 _UNSUPPORTED: dict[str, tuple[object, str]] = {
     "config_logger_dir": ("", "config logging is not implemented"),
 }
-# Field -> the dtypes it takes; all but fp32 need use_precision_aware_optimizer (the flat Adam).
-_FLAT_ADAM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "main_grads_dtype": (torch.float32, torch.bfloat16),
-    "main_params_dtype": (torch.float32, torch.float16),
+# Field -> (the dtypes it takes, said in words); all but fp32 need use_precision_aware_optimizer
+# (the flat Adam keeps the low-precision tensors).
+_MOMENTS = (tuple(MOMENT_STORAGE), "torch.float32, torch.float16 or fp8 (torch.uint8 / "
+            "torch.float8_e4m3fn)")
+_FLAT_ADAM_DTYPES: dict[str, tuple[tuple[torch.dtype, ...], str]] = {
+    "main_grads_dtype": ((torch.float32, torch.bfloat16), "torch.float32 or torch.bfloat16"),
+    "main_params_dtype": ((torch.float32, torch.float16), "torch.float32 or torch.float16"),
+    "exp_avg_dtype": _MOMENTS,
+    "exp_avg_sq_dtype": _MOMENTS,
 }
-_MOMENT_DTYPES = ("exp_avg_dtype", "exp_avg_sq_dtype")
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd")
 
@@ -113,25 +117,16 @@ class OptimizerConfig:
                     f"OptimizerConfig.{name}={value!r} is not supported by this tree: "
                     f"{reason}; keep it {neutral!r}"
                 )
-        for name, dtypes in _FLAT_ADAM_DTYPES.items():
+        for name, (dtypes, described) in _FLAT_ADAM_DTYPES.items():
             value = getattr(self, name)
             if value not in dtypes:
-                raise ValueError(f"OptimizerConfig.{name} must be one of {dtypes}, got {value!r}")
+                raise ValueError(f"OptimizerConfig.{name} must be {described}, got {value!r}")
             if value != torch.float32 and not self.use_precision_aware_optimizer:
                 raise ValueError(f"OptimizerConfig.{name}={value!r} needs "
                                  f"use_precision_aware_optimizer=True (the flat Adam keeps "
                                  f"low-precision optimizer tensors)")
         if self.main_grads_dtype == torch.bfloat16 and not self.bf16:
             raise ValueError("OptimizerConfig.main_grads_dtype=torch.bfloat16 needs bf16=True")
-        for name in _MOMENT_DTYPES:
-            value = getattr(self, name)
-            if value not in MOMENT_STORAGE:
-                raise ValueError(f"OptimizerConfig.{name} must be torch.float32, torch.float16 "
-                                 f"or fp8 (torch.uint8 / torch.float8_e4m3fn), got {value!r}")
-            if value != torch.float32 and not self.use_precision_aware_optimizer:
-                raise ValueError(f"OptimizerConfig.{name}={value!r} needs "
-                                 f"use_precision_aware_optimizer=True (the flat Adam keeps "
-                                 f"low-precision moments)")
         if self.overlap_param_gather_with_optimizer_step and not self.use_distributed_optimizer:
             raise ValueError("OptimizerConfig.overlap_param_gather_with_optimizer_step needs "
                              "use_distributed_optimizer=True")
