@@ -16,7 +16,9 @@ junit XML (a crash, or killed at its deadline) is run again one file per session
 
 A measurement too long for one sitting (world size 8 on one GPU) can be split: ``--side
 upstream`` or ``--side here`` runs one tree and keeps its junit XML under ``--results DIR``; a
-later call reads the other side from there (and several ``--only`` calls add up).
+later call reads the other side from there (and several ``--only`` calls add up); ``--side none``
+runs neither and reports from what ``--results DIR`` holds (runs made side by side, or on
+another machine).
 
 Printed, per test file: how many tests upstream passes, how many pass here, and each test
 upstream passes that does not pass here, with a one-line reason. Out-of-scope files are listed
@@ -601,12 +603,18 @@ def results_keeper(label: str, results_dir: Optional[Path],
         return lambda session: None
     target = results_dir / label
     target.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # Runners started in the same second may share the folder; the padded index keeps a
+    # runner's sessions in order when sorted by name (a later session supersedes an earlier).
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     index = itertools.count()
 
     def keep(session: Session) -> None:
         if session.junit.is_file():
-            shutil.copyfile(session.junit, target / f"ws{world_size}-{stamp}-{next(index)}.xml")
+            saved = target / f"ws{world_size}-{stamp}-{next(index):03d}.xml"
+            shutil.copyfile(session.junit, saved)
+            # Which files the session ran: one whose tests were all deselected is in no test
+            # case, and a collection error it no longer has is in none either.
+            saved.with_suffix(".files").write_text("".join(f"{rel}\n" for rel in session.files))
     return keep
 
 
@@ -615,13 +623,21 @@ def load_results(label: str, results_dir: Path, world_size: int,
     """One side's results as saved by earlier calls at this world size, the latest of each test
     winning; files without any say so."""
     result = RunResult()
+    answered: set[str] = set()
     for path in sorted((results_dir / label).glob(f"ws{world_size}-*.xml")):
-        collected_before = {rel for rel in result.cases}
-        read_junit(path, files, result)
-        for rel in set(result.cases) - collected_before:
-            result.file_errors.pop(rel, None)  # collected in a later call
+        session = RunResult()
+        read_junit(path, files, session)
+        manifest = path.with_suffix(".files")
+        ran = set(manifest.read_text().split()) if manifest.is_file() else \
+            set(session.cases) | set(session.file_errors)
+        for rel in ran - set(session.file_errors):
+            result.file_errors.pop(rel, None)  # collected in a later session
+        result.file_errors.update(session.file_errors)
+        for rel, cases in session.cases.items():
+            result.cases.setdefault(rel, {}).update(cases)
+        answered |= ran
     for rel in files:
-        if rel not in result.cases and rel not in result.file_errors:
+        if rel not in answered:
             result.no_result[rel] = (f"no saved {label} result at world size {world_size} in "
                                      f"{results_dir}")
     return result
@@ -792,9 +808,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "a new folder under DIR (default: a temporary folder, removed "
                              "unless the comparison could not be made)")
     parser.add_argument("--echo", action="store_true", help="show pytest's output as it runs")
-    parser.add_argument("--side", choices=("both", "upstream", "here"), default="both",
-                        help="run both trees (default), or one; the other is read from "
-                             "--results")
+    parser.add_argument("--side", choices=("both", "upstream", "here", "none"), default="both",
+                        help="run both trees (default), or one, the other read from --results; "
+                             "none: run neither, report from --results")
     parser.add_argument("--results", type=Path, metavar="DIR",
                         help="keep each run's junit XML under DIR/<side>, and read the side "
                              "not run from there")
@@ -802,7 +818,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
     if args.side != "both" and args.results is None:
-        parser.error("--side upstream/here needs --results DIR (where the other side is kept)")
+        parser.error(f"--side {args.side} needs --results DIR (where the side not run is kept)")
     args.extra = extra
     return args
 

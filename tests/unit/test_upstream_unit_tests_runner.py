@@ -209,8 +209,12 @@ def test_one_side_at_a_time_gives_the_same_report(tmp_path):
     assert report_lines(second.stdout)["total"] == report_lines(both.stdout)["total"]
     assert report_lines(second.stdout)["total"].split() == ["total", "7", "4", "3"]
     assert len(list((results / "upstream").glob("ws1-*.xml"))) == 1
+    report_only = run_runner(tree, scope, "--side", "none", "--results", str(results))
+    assert report_only.returncode == 0, report_only.stdout + report_only.stderr
+    assert report_lines(report_only.stdout) == report_lines(second.stdout)
+    assert len(list((results / "here").glob("ws1-*.xml"))) == 1  # nothing ran
     no_dir = run_runner(tree, scope, "--side", "here")
-    assert no_dir.returncode == 2 and "--side upstream/here needs --results" in no_dir.stderr
+    assert no_dir.returncode == 2 and "--side here needs --results" in no_dir.stderr
 
 
 def _runner_module():
@@ -267,3 +271,27 @@ def test_a_session_that_dies_is_rerun_file_by_file(tmp_path, per_file):
     assert ("one session per file now" in done.stderr) != per_file
     for side in ("upstream", "here"):  # kept as each session ended: 4 files gave junit XML
         assert len(list((results / side).glob("ws1-*.xml"))) == 4
+
+
+def test_a_later_session_that_ran_a_file_clears_its_collection_error(tmp_path):
+    """Saved results: a file that failed to collect, run again in a later session where all its
+    tests were deselected, has no test case there; the session's list of files says it ran,
+    so it counts as a result (of none) rather than keeping the stale error."""
+    runner = _runner_module()
+    side = tmp_path / "upstream"
+    side.mkdir()
+    stale = ('<testsuites><testsuite><testcase classname="" name="tests/unit_tests/test_a.py" '
+             'file="tests/unit_tests/test_a.py"><error message="collection failure">'
+             'ModuleNotFoundError: tools</error></testcase></testsuite></testsuites>')
+    (side / "ws8-20261204-150000-0.xml").write_text(stale)
+    (side / "ws8-20261204-180000-7-000.xml").write_text(
+        "<testsuites><testsuite></testsuite></testsuites>")
+    (side / "ws8-20261204-180000-7-000.files").write_text("test_a.py\ntest_b.py\n")
+    result = runner.load_results("upstream", tmp_path, 8, ["test_a.py", "test_b.py", "test_c.py"])
+    assert result.file_errors == {}
+    assert set(result.no_result) == {"test_c.py"}
+    # Without a list of files (XML saved before there was one), the error stays.
+    (side / "ws8-20261204-180000-7-000.files").unlink()
+    result = runner.load_results("upstream", tmp_path, 8, ["test_a.py", "test_b.py"])
+    assert result.file_errors["test_a.py"] == "collection failure"
+    assert set(result.no_result) == {"test_b.py"}
