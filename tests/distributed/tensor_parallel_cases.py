@@ -160,6 +160,50 @@ def check_mappings(env: Env) -> None:
         raise AssertionError("an indivisible sequence split did not raise")
 
 
+def check_upstream_mapping_functions(env: Env) -> None:
+    """The autograd functions by upstream's private names, called the way upstream's unit
+    tests call them: ``symbolic(None, x)`` is the forward collective, ``backward(None, g)``
+    the backward one alone (parallel_state's group); the sequence-parallel pair takes a
+    context with upstream's attributes and returns a gradient per input."""
+    from megatron.core.tensor_parallel import mappings
+
+    full = same_randn(1, SEQ, BATCH, IN)
+    mine = per_rank(2, env, SEQ, BATCH, IN)
+    x, total = mine[env.rank], sum(mine)
+    last, first = piece(full, -1, env), piece(full, 0, env)
+    m = mappings
+    calls = [  # (function, its forward's input and output, its backward's input and output)
+        (m._CopyToModelParallelRegion, full, full, x, total),
+        (m._ReduceFromModelParallelRegion, x, total, x, x),
+        (m._ScatterToModelParallelRegion, full, last, last, full),
+        (m._GatherFromModelParallelRegion, last, full, full, last),
+        (m._ScatterToSequenceParallelRegion, full, first, first, full),
+        (m._AllGatherFromTensorParallelRegion, last, full, x, piece(total, -1, env)),
+        (m._ReduceScatterToTensorParallelRegion, x, piece(total, -1, env), last, full),
+    ]
+    for function, forward_in, forward_out, backward_in, backward_out in calls:
+        close(function.symbolic(None, forward_in), forward_out, f"{function.__name__} forward")
+        close(function.backward(None, backward_in), backward_out,
+              f"{function.__name__} backward")
+
+    class GatherContext:
+        tensor_parallel_output_grad = True
+        output_split_sizes = None
+        group = None
+        use_global_buffer = False
+
+    gather = m._GatherFromSequenceParallelRegion
+    close(gather.symbolic(None, first), full, "sequence gather forward")
+    grads = gather.backward(GatherContext(), x)
+    assert len(grads) == 5, grads
+    close(grads[0], piece(total, 0, env), "sequence gather backward")
+    scatter = m._ReduceScatterToSequenceParallelRegion
+    close(scatter.symbolic(None, x), piece(total, 0, env), "sequence reduce-scatter forward")
+    grads = scatter.backward(GatherContext(), first)
+    assert len(grads) == 4, grads
+    close(grads[0], full, "sequence reduce-scatter backward")
+
+
 # ------------------------------------------------------------------ linear layers
 
 
@@ -392,6 +436,7 @@ def check_checkpoint_distributes_saved_activations(env: Env) -> None:
 
 CASES = [
     check_mappings,
+    check_upstream_mapping_functions,
     check_column_parallel_linear,
     check_frozen_weight_under_sequence_parallel,
     check_row_parallel_linear,
