@@ -73,6 +73,11 @@ def test_impossible_specs_are_rejected(kwargs, message):
         PlanSpec(**kwargs)
 
 
+def test_a_short_last_group_is_also_the_runtime_error_upstream_raises():
+    with pytest.raises(RuntimeError, match="last group of 3"):
+        PlanSpec(pipeline_size=4, num_chunks=2, num_microbatches=7)
+
+
 def test_every_layout_runs_without_crossing_or_deadlock():
     """pp 1-6, vpp 1-3, every microbatch count up to 3*pp+1, group sizes, forward-only and
     overlap: on gloo, and on NCCL (one stream per communicator, hosts blocked only by shape

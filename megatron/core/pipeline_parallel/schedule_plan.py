@@ -94,6 +94,11 @@ class Wait:
 Action = Union[Compute, Post, Wait]
 
 
+class ScheduleRequestError(ValueError, RuntimeError):
+    """A schedule that cannot be run as asked. Upstream raises RuntimeError for the same
+    requests (its unit tests expect it); as a bad argument it is also a ValueError."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanSpec:
     """Everything that determines the plans of a pipeline (identical on all ranks)."""
@@ -123,7 +128,7 @@ class PlanSpec:
                     f"[pipeline size {p}, num_microbatches {m}]; use num_microbatches >= {p}")
             tail = m % g
             if 0 < tail < p:
-                raise ValueError(
+                raise ScheduleRequestError(
                     f"interleaved schedule: num_microbatches={m} leaves a last group of {tail} "
                     f"microbatches (group size {g}), fewer than the pipeline size {p}; choose "
                     f"num_microbatches so that num_microbatches % {g} is 0 or >= {p}, or set "

@@ -28,7 +28,8 @@ from megatron.core.pipeline_parallel.microbatch_step import (
 )
 from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator
 from megatron.core.pipeline_parallel.plan_executor import PlanExecutor, ScheduleRun
-from megatron.core.pipeline_parallel.schedule_plan import PlanSpec, build_plan, timetable
+from megatron.core.pipeline_parallel.schedule_plan import (
+    PlanSpec, ScheduleRequestError, build_plan, timetable)
 from megatron.core.utils import get_model_config, get_model_type
 
 # Upstream exposes the per-microbatch helpers from this module too.
@@ -91,9 +92,11 @@ def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, s
          first_val_step, p2p_communicator, pipelined: bool, trace: Optional[list]) -> list:
     config = get_model_config(model_chunks[0])
     if get_model_type(model_chunks[0]) == ModelType.encoder_and_decoder:
-        raise ValueError("encoder-decoder models are not supported by this tree's schedules")
+        raise ScheduleRequestError(
+            "encoder-decoder models are not supported by this tree's schedules")
     if decoder_seq_length is not None and decoder_seq_length != seq_length:
-        raise ValueError("decoder_seq_length must equal seq_length (decoder-only models)")
+        raise ScheduleRequestError(
+            "decoder_seq_length must equal seq_length (decoder-only models)")
     if len(data_iterators) != len(model_chunks):
         raise ValueError(
             f"got {len(model_chunks)} model chunks but {len(data_iterators)} data iterators; "
