@@ -309,11 +309,12 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
     from megatron.training import get_args, training
     from megatron.training.initialize import initialize_megatron
     from megatron.training.data_loading import pad_multiple
-    from megatron.training.timers import Timers
+    from megatron.training.timers import Timers, set_timers
 
     initialize_megatron(argv=trainer_argv(args, flags))
     variable = is_variable(flags)
     timers = Timers(log_level=1)
+    set_timers(timers)
     model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
     config = training.step_config(model, optimizer, timers)
     generator = torch.Generator().manual_seed(1)
@@ -345,7 +346,7 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
         start = time.perf_counter()
         with contextlib.redirect_stdout(log):
             training.train(pretrain_gpt.forward_step, model, optimizer, scheduler, batches(),
-                           None, None, config, iteration, 0, timers)
+                           None, None, config, iteration, 0)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / (last - iteration), log.getvalue()
 
@@ -488,7 +489,9 @@ def launch(worker: str, argv: list[str], args) -> dict:
         env["PYTHONPATH"] = str(args.mcore_path.resolve())
         cwd = args.mcore_path.resolve()  # keeps this tree off sys.path
     else:
-        env["PYTHONPATH"] = str(REPO)
+        # Ahead of what the caller's PYTHONPATH holds (optional packages such as torchao).
+        inherited = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *inherited])
         cwd = REPO
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv,
                            "--worker", worker], cwd=cwd, env=env, capture_output=True,

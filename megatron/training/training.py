@@ -154,7 +154,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         print_rank_0(f"> starting training at iteration {iteration} ({consumed} samples consumed)")
         iteration, consumed = train(forward_step_func, model, optimizer, scheduler,
                                     train_iterator, valid_iterator, process_non_loss_data_func,
-                                    config, iteration, consumed, timers)
+                                    config, iteration, consumed)
         print_datetime("after training is done")
         if args.save and iteration and \
                 (args.save_interval is None or iteration % args.save_interval):
@@ -405,8 +405,9 @@ def _average_reports(reports: list) -> dict[str, float]:
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
           valid_data_iterator, process_non_loss_data_func, config, iteration: int,
-          consumed_samples: int, timers: Timers) -> tuple[int, int]:
+          consumed_samples: int) -> tuple[int, int]:
     args = get_args()
+    timers = get_timers()  # the log line reads the same ones
     for chunk in model:
         chunk.train()
     metrics_writers.write_args(args, iteration)
@@ -452,6 +453,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                                  opt_param_scheduler, consumed_samples, watcher)
         if should_exit:
             break
+    timers("interval-time").stop()  # a later call starts it afresh (a running timer ignores start)
     hooks.finish()
     writer = metrics_writers.get_writer()
     if writer is not None:
