@@ -11,14 +11,16 @@ Deviations from upstream worth knowing:
 
 * Sizes and ranks are answered from the layout arithmetic (identical to what
   torch reports for the groups) instead of querying torch.distributed.
-* Expert parallelism, the encoder/decoder split, SHARP, NCCL communicator
-  configs and custom embedding-rank callables are not supported; asking for
-  them raises ValueError.
-* No expert groups are created. The expert getters answer as upstream does with
-  expert parallelism off, returning the group of this tree that has the same
-  members (the expert tensor-parallel group is the tensor-parallel group, the
-  expert data-parallel group the data(+context)-parallel group, ...); where no
-  such group exists for the layout they raise RuntimeError.
+* The encoder/decoder split, SHARP, NCCL communicator configs and custom
+  embedding-rank callables are not supported; asking for them raises ValueError.
+* Expert groups are created only when ``expert_model_parallel_size`` > 1 or
+  ``expert_tensor_parallel_size`` differs from the tensor-parallel size (this
+  tree has no mixture-of-experts layers; the groups serve code that asks for
+  them). Otherwise the expert getters answer as upstream does with expert
+  parallelism off, returning the group of this tree that has the same members
+  (the expert tensor-parallel group is the tensor-parallel group, the expert
+  data-parallel group the data(+context)-parallel group, ...); where no such
+  group exists for the layout they raise RuntimeError.
 * Where upstream asserts or raises RuntimeError at initialisation, the errors
   here are of both kinds: :class:`DistributedNotInitializedError` is a
   RuntimeError and an AssertionError, :class:`ParallelLayoutError` a ValueError
@@ -140,7 +142,6 @@ def initialize_model_parallel(
         use_sharp=(use_sharp, False),
         # An empty list means no hierarchy, as upstream.
         hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes or None, None),
-        expert_model_parallel_size=(expert_model_parallel_size, 1),
         nccl_communicator_config_path=(nccl_communicator_config_path, None),
         encoder_tensor_model_parallel_size=(encoder_tensor_model_parallel_size, 0),
         # Upstream treats None like 0 here.
@@ -148,12 +149,6 @@ def initialize_model_parallel(
         get_embedding_ranks=(get_embedding_ranks, None),
         get_position_embedding_ranks=(get_position_embedding_ranks, None),
     )
-    if expert_tensor_parallel_size not in (None, tensor_model_parallel_size):
-        raise ValueError(
-            f"expert_tensor_parallel_size={expert_tensor_parallel_size!r} is not supported by "
-            f"this tree; leave it None or equal to tensor_model_parallel_size "
-            f"({tensor_model_parallel_size})"
-        )
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedNotInitializedError(
             "initialize_model_parallel() needs torch.distributed to be initialised first "
@@ -168,6 +163,8 @@ def initialize_model_parallel(
                 context_parallel_size=context_parallel_size,
                 virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
                 num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+                expert_model_parallel_size=expert_model_parallel_size,
+                expert_tensor_parallel_size=expert_tensor_parallel_size,
             ),
             order,
         )
@@ -182,7 +179,7 @@ def _layout_with_upstream_order(layout: ParallelLayout, order: str) -> ParallelL
     """``layout`` in ``order``, which may leave out dimensions of size 1 as upstream allows."""
     generator = RankGenerator(
         tp=layout.tensor_model_parallel_size,
-        ep=1,
+        ep=layout.expert_model_parallel_size,  # an order may leave it out only when it is 1
         dp=layout.data_parallel_size,
         pp=layout.pipeline_model_parallel_size,
         cp=layout.context_parallel_size,
@@ -595,12 +592,17 @@ def get_tensor_and_context_parallel_rank() -> int:
     return 0 if groups is None else groups.tp_cp_ranks.index(groups.rank)
 
 
-# ------------------------------------------------------------------ expert (parallelism off)
+# ------------------------------------------------------------------ expert groups
 
 
 def _expert_stand_in(token: str, caller: str) -> tuple[ProcessGroups, str]:
-    """The groups and the kind among them with the members of upstream's expert group ``token``."""
+    """The groups and the kind among them with the members of upstream's expert group
+    ``token``: the expert kind itself where the layout has expert groups."""
     groups = _groups(caller)
+    created = next((kind for kind, named in process_groups.EXPERT_KINDS.items()
+                    if named == token and kind in groups.expert_groups), None)
+    if created is not None:
+        return groups, created
     expert = groups.expert[token]
     if expert.stand_in is None:
         layout = groups.layout
@@ -617,7 +619,12 @@ def _expert_stand_in(token: str, caller: str) -> tuple[ProcessGroups, str]:
 def _expert_group(token: str, caller: str, check_initialized: bool = True) -> Any:
     if not check_initialized and _state.groups is None:
         return None
-    groups, kind = _expert_stand_in(token, caller)
+    return _group_of_kind(*_expert_stand_in(token, caller))
+
+
+def _group_of_kind(groups: ProcessGroups, kind: str) -> Any:
+    if kind in process_groups.EXPERT_KINDS:
+        return groups.expert_groups.get(kind)  # None where gloo twins were not asked for
     return getattr(groups, kind)
 
 
@@ -724,7 +731,7 @@ def get_data_modulo_expert_parallel_group() -> Any:
 def get_expert_data_parallel_group_gloo() -> Any:
     groups, kind = _expert_stand_in("dp", "get_expert_data_parallel_group_gloo")
     twin = next(twin for twin, twinned in GLOO_TWINS.items() if twinned == kind)
-    return _created_gloo(getattr(groups, twin))
+    return _created_gloo(_group_of_kind(groups, twin))
 
 
 def get_expert_data_parallel_rank() -> int:

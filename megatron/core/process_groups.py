@@ -24,23 +24,27 @@ by their remaining coordinates, again fastest dimension first. All rank lists
 come from :func:`generate_masked_orthogonal_rank_groups`, which upstream's
 :class:`RankGenerator` also wraps.
 
-Expert parallelism is always off here, so no expert groups are created: each of
-upstream's expert groups of a rank is answered by a group of this tree with exactly
-the same members where one exists (see :func:`expert_group_stand_ins`).
+Expert groups (upstream's second rank grid: expert tensor x expert model x expert data x
+pipeline, in the same order) are created only when the layout sets an expert-parallel size
+or an expert tensor-parallel size other than the tensor-parallel one; this tree has no
+mixture-of-experts layers to use them, but code that asks parallel_state for them gets
+upstream's groups. Otherwise each of upstream's expert groups of a rank is answered by a group
+of this tree with exactly the same members where one exists (see
+:func:`expert_group_stand_ins`).
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-# Every dimension the order string must name. "ep" (expert parallelism) is
-# accepted for compatibility with upstream order strings but is always size 1.
+# Every dimension the order string must name. "ep" (expert parallelism) has size 1 in the
+# dense grid; it spans ranks only in the expert grid.
 ORDER_TOKENS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 
 # Which dimensions span each group kind.
@@ -59,12 +63,18 @@ _KIND_DIMENSIONS: dict[str, frozenset[str]] = {
 # Gloo twins of data-parallel groups (for CPU-side collectives such as
 # checkpoint gathering), keyed by the kind whose rank lists they reuse.
 GLOO_TWINS: dict[str, str] = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp",
-                              "intra_dp_cp_gloo": "intra_dp_cp"}
+                              "intra_dp_cp_gloo": "intra_dp_cp", "expert_dp_gloo": "expert_dp"}
 
 # The partial distributed optimizer's kinds, created (after all others) only when there is
 # more than one instance; with one instance they are the dp_cp groups and the whole world.
 PARTIAL_OPTIMIZER_KINDS: tuple[str, ...] = (
     "intra_dp_cp", "intra_dp_cp_gloo", "inter_dp_cp", "intra_instance")
+
+# The expert grid's kinds, created (last) only for a layout with expert groups, each with its
+# token of upstream's expert rank generator.
+EXPERT_KINDS: dict[str, str] = {
+    "expert_ep": "ep", "expert_tp": "tp", "expert_tp_ep": "tp-ep", "expert_tp_ep_pp": "tp-ep-pp",
+    "expert_dp": "dp", "expert_dp_gloo": "dp"}
 
 # The fixed order in which build_process_groups creates the kinds. Every rank
 # must create every group in the same sequence, so this order is part of the
@@ -253,6 +263,8 @@ class ParallelLayout:
     virtual_pipeline_model_parallel_size: int | None = None
     order: str = "tp-cp-ep-dp-pp"
     num_distributed_optimizer_instances: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the tensor-parallel size
 
     def __post_init__(self) -> None:
         for name in (
@@ -261,6 +273,7 @@ class ParallelLayout:
             "pipeline_model_parallel_size",
             "context_parallel_size",
             "num_distributed_optimizer_instances",
+            "expert_model_parallel_size",
         ):
             _check_positive_int(name, getattr(self, name))
         virtual = self.virtual_pipeline_model_parallel_size
@@ -294,6 +307,16 @@ class ParallelLayout:
                 f"num_distributed_optimizer_instances={instances} must divide the "
                 f"data-parallel x context-parallel size ({replicas})"
             )
+        if self.expert_tensor_parallel_size is not None:
+            _check_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
+        expert_model_size = (self.expert_tensor_size * self.expert_model_parallel_size
+                             * self.pipeline_model_parallel_size)
+        if self.world_size % expert_model_size:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by expert tensor"
+                f"({self.expert_tensor_size}) x expert model({self.expert_model_parallel_size}) "
+                f"x pipeline({self.pipeline_model_parallel_size}) = {expert_model_size}: the "
+                f"expert data-parallel size would not be a whole number")
 
     @property
     def data_parallel_size(self) -> int:
@@ -405,14 +428,25 @@ class ParallelLayout:
                 for group in self.data_parallel_ranks(with_context_parallel=True)
                 for offset in range(run)]
 
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def has_expert_groups(self) -> bool:
+        """Whether the expert grid differs from the dense one (then its groups are created)."""
+        return (self.expert_model_parallel_size > 1
+                or self.expert_tensor_size != self.tensor_model_parallel_size)
+
     def expert_rank_generator(self) -> RankGenerator:
-        """Upstream's expert rank generator for this layout, expert parallelism being off: its
-        tensor-parallel size is ours, and its data-parallel dimension takes in context
-        parallelism."""
+        """Upstream's expert rank generator for this layout: its data-parallel dimension takes
+        whatever expert tensor, expert model and pipeline parallelism leave (context
+        parallelism included)."""
+        tp, ep = self.expert_tensor_size, self.expert_model_parallel_size
         return RankGenerator(
-            tp=self.tensor_model_parallel_size,
-            ep=1,
-            dp=self.data_parallel_size * self.context_parallel_size,
+            tp=tp,
+            ep=ep,
+            dp=self.world_size // (tp * ep * self.pipeline_model_parallel_size),
             pp=self.pipeline_model_parallel_size,
             cp=1,
             order=self.order,
@@ -440,6 +474,9 @@ class ParallelLayout:
         if self.num_distributed_optimizer_instances > 1:
             kinds += tuple(kind for kind in PARTIAL_OPTIMIZER_KINDS
                            if gloo_data_parallel or kind not in GLOO_TWINS)
+        if self.has_expert_groups:
+            kinds += tuple(kind for kind in EXPERT_KINDS
+                           if gloo_data_parallel or kind not in GLOO_TWINS)
         return kinds
 
     def rank_groups(self, kind: str) -> list[list[int]]:
@@ -454,6 +491,8 @@ class ParallelLayout:
         }
         if kind in special:
             return special[kind]()
+        if kind in EXPERT_KINDS:
+            return self.expert_rank_generator().get_ranks(EXPERT_KINDS[kind])
         if kind not in _KIND_DIMENSIONS:
             raise ValueError(f"unknown group kind {kind!r}; expected one of "
                              f"{_CREATION_ORDER + PARTIAL_OPTIMIZER_KINDS}")
@@ -606,6 +645,8 @@ class ProcessGroups:
     inter_dp_cp_ranks: tuple[int, ...] | None = None
     intra_instance: Any | None = None
     intra_instance_ranks: tuple[int, ...] | None = None
+    # By kind of EXPERT_KINDS, when the layout has expert groups; empty otherwise.
+    expert_groups: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -639,8 +680,8 @@ class ProcessGroups:
     def held_groups(self) -> list[Any]:
         """Every distinct group object this rank holds (for teardown)."""
         held = []
-        for kind in _CREATION_ORDER + PARTIAL_OPTIMIZER_KINDS:
-            group = getattr(self, kind)
+        for group in [getattr(self, kind) for kind in _CREATION_ORDER + PARTIAL_OPTIMIZER_KINDS] \
+                + list(self.expert_groups.values()):
             if group is not None and all(group is not other for other in held):
                 held.append(group)
         return held
@@ -715,6 +756,7 @@ def build_process_groups(
         **{kind: group_of(kind) for kind in PARTIAL_OPTIMIZER_KINDS},
         **{f"{kind}_ranks": ranks_of(kind) for kind in PARTIAL_OPTIMIZER_KINDS
            if kind not in GLOO_TWINS},
+        expert_groups={kind: group_of(kind) for kind in EXPERT_KINDS if kind in own},
     )
 
 

@@ -39,13 +39,28 @@ UNSUPPORTED = [
     dict(pipeline_model_parallel_split_rank=1),
     dict(use_sharp=True),
     dict(hierarchical_context_parallel_sizes=[2]),
-    dict(expert_model_parallel_size=2),
-    dict(expert_tensor_parallel_size=2),
     dict(nccl_communicator_config_path="nccl.yaml"),
     dict(encoder_tensor_model_parallel_size=1),
     dict(encoder_pipeline_model_parallel_size=1),
     dict(get_embedding_ranks=lambda ranks, split=None: ranks),
     dict(get_position_embedding_ranks=lambda ranks, split=None: ranks),
+]
+
+
+EXPERT_CASES = [
+    (1, 2, "tp-cp-ep-dp-pp", {
+        "get_expert_model_parallel_group": [[0, 1], [2, 3]],
+        "get_expert_tensor_and_model_parallel_group": [[0, 1], [2, 3]],
+        "get_expert_data_parallel_group": [[0, 2], [1, 3]],
+        "get_expert_tensor_parallel_group": [[0], [1], [2], [3]]}),
+    (1, 2, "tp-cp-dp-ep-pp", {
+        "get_expert_model_parallel_group": [[0, 2], [1, 3]],
+        "get_expert_data_parallel_group": [[0, 1], [2, 3]]}),
+    (4, 1, "tp-cp-ep-dp-pp", {
+        "get_expert_tensor_parallel_group": [[0, 1, 2, 3]],
+        "get_expert_model_parallel_group": [[0], [1], [2], [3]],
+        "get_expert_data_parallel_group": [[0], [1], [2], [3]],
+        "get_expert_tensor_model_pipeline_parallel_group": [[0, 1, 2, 3]]}),
 ]
 
 
@@ -201,6 +216,30 @@ def _rank_main(rank: int, world_size: int) -> dict:
         assert not ps.is_initialized() and created_groups() == ()
         assert ps.get_virtual_pipeline_model_parallel_world_size() is None
 
+    # Expert grids unlike the dense one: their groups are created (last), by upstream's rank
+    # arithmetic, and the getters answer from them. (expert tp, expert model, order), with
+    # each getter's expected rank lists worked out by hand for 4 ranks.
+    for expert_tp, expert_model, order, expected in EXPERT_CASES:
+        ps.initialize_model_parallel(expert_tensor_parallel_size=expert_tp,
+                                     expert_model_parallel_size=expert_model, order=order)
+        for getter, groups in expected.items():
+            mine = next(group for group in groups if rank in group)
+            group = getattr(ps, getter)()
+            assert dist.get_process_group_ranks(group) == mine, (getter, order)
+            assert _sum_over(group, rank) == sum(mine), getter  # a real group of those ranks
+        assert ps.get_expert_model_parallel_world_size() == expert_model
+        assert ps.get_expert_tensor_parallel_world_size() == expert_tp
+        for getter, rank_getter in (("get_expert_model_parallel_group",
+                                     ps.get_expert_model_parallel_rank),
+                                    ("get_expert_data_parallel_group",
+                                     ps.get_expert_data_parallel_rank)):
+            mine = next(group for group in expected[getter] if rank in group)
+            assert rank_getter() == mine.index(rank), getter
+        assert dist.get_process_group_ranks(ps.get_expert_data_parallel_group_gloo()) == \
+            dist.get_process_group_ranks(ps.get_expert_data_parallel_group())
+        logs[("expert", expert_tp, expert_model, order)] = list(created_groups())
+        ps.destroy_model_parallel()
+
     # An explicit layout without the gloo twins.
     layout = ParallelLayout(world_size, tensor_model_parallel_size=2)
     groups = ps.initialize_model_parallel_from_layout(layout, gloo_data_parallel=False)
@@ -215,7 +254,7 @@ def _rank_main(rank: int, world_size: int) -> dict:
 def _expected_log(layout: ParallelLayout, gloo_data_parallel: bool = True) -> list[tuple]:
     return [
         (kind, tuple(ranks), "gloo" if kind in GLOO_TWINS else None)
-        for kind in layout.group_kinds(gloo_data_parallel)
+        for kind in layout.kinds_to_create(gloo_data_parallel)
         for ranks in layout.rank_groups(kind)
     ]
 
@@ -226,6 +265,12 @@ def test_parallel_state_across_layouts():
     for tp, pp, cp, virtual, order in CASES:
         layout = ParallelLayout(WORLD_SIZE, tp, pp, cp, virtual, order)
         assert per_rank[0][(tp, pp, cp, virtual, order)] == _expected_log(layout)
+    for expert_tp, expert_model, order, _ in EXPERT_CASES:
+        layout = ParallelLayout(WORLD_SIZE, order=order, expert_tensor_parallel_size=expert_tp,
+                                expert_model_parallel_size=expert_model)
+        expected = _expected_log(layout)
+        assert expected[-1][0] == "expert_dp_gloo"
+        assert per_rank[0][("expert", expert_tp, expert_model, order)] == expected
     no_gloo = ParallelLayout(WORLD_SIZE, tensor_model_parallel_size=2)
     assert per_rank[0]["no-gloo"] == _expected_log(no_gloo, gloo_data_parallel=False)
 

@@ -362,9 +362,8 @@ def test_upstream_orders_and_errors_at_initialisation(one_rank):
             ps.initialize_model_parallel(**kwargs)
         assert isinstance(info.value, ValueError) and message in str(info.value)
         assert not ps.is_initialized()
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2 is not supported"):
-        ps.initialize_model_parallel(expert_model_parallel_size=2)
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported"):
-        ps.initialize_model_parallel(expert_tensor_parallel_size=2)
+    for expert in (dict(expert_model_parallel_size=2), dict(expert_tensor_parallel_size=2)):
+        with pytest.raises(ValueError, match="expert data-parallel size would not be a whole"):
+            ps.initialize_model_parallel(**expert)
     ps.initialize_model_parallel(expert_tensor_parallel_size=1)
     assert ps.get_expert_tensor_parallel_world_size() == 1

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from megatron.core.process_groups import (
+    EXPERT_KINDS,
     GLOO_TWINS,
     PARTIAL_OPTIMIZER_KINDS,
     ParallelLayout,
@@ -170,7 +171,7 @@ def test_group_kinds_order_and_gloo_twins():
     kinds = ParallelLayout.group_kinds()
     assert kinds[:4] == ("dp", "dp_gloo", "dp_cp", "dp_cp_gloo")
     assert set(kinds) == (set(PARTITION_KINDS) | {"embedding", "position_embedding"}
-                          | set(GLOO_TWINS) - set(PARTIAL_OPTIMIZER_KINDS))
+                          | set(GLOO_TWINS) - set(PARTIAL_OPTIMIZER_KINDS) - set(EXPERT_KINDS))
     assert ParallelLayout.group_kinds(gloo_data_parallel=False) == tuple(
         k for k in kinds if k not in GLOO_TWINS
     )
@@ -258,3 +259,24 @@ def test_layout_is_frozen_and_comparable():
     assert a != ParallelLayout(8, tensor_model_parallel_size=4)
     with pytest.raises(AttributeError):
         a.world_size = 4  # type: ignore[misc]
+
+
+def test_expert_groups_are_planned_only_for_an_expert_grid_unlike_the_dense_one():
+    dense = ParallelLayout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert not dense.has_expert_groups
+    assert not set(dense.kinds_to_create()) & set(EXPERT_KINDS)
+    same = ParallelLayout(8, tensor_model_parallel_size=2, expert_tensor_parallel_size=2)
+    assert not same.has_expert_groups
+    # tp 2 x pp 2 dense; experts: expert tp 1 x expert model 4 x pp 2 (expert dp 1).
+    layout = ParallelLayout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                            expert_model_parallel_size=4, expert_tensor_parallel_size=1)
+    assert layout.kinds_to_create()[-len(EXPERT_KINDS):] == tuple(EXPERT_KINDS)
+    assert layout.kinds_to_create(gloo_data_parallel=False)[-1] == "expert_dp"
+    assert layout.rank_groups("expert_ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.rank_groups("expert_tp") == [[r] for r in range(8)]
+    assert layout.rank_groups("expert_tp_ep_pp") == [list(range(8))]
+    assert layout.rank_groups("expert_dp") == layout.rank_groups("expert_dp_gloo") == \
+        [[r] for r in range(8)]
+    with pytest.raises(ValueError, match=r"expert tensor\(1\) x expert model\(3\) x "
+                                         r"pipeline\(2\) = 6"):
+        ParallelLayout(8, pipeline_model_parallel_size=2, expert_model_parallel_size=3)
