@@ -48,6 +48,25 @@ def test_fp8_matmuls_carry_float8_error_only(recipe):
     assert 0.005 < out < 0.06 and 0.005 < dgrad < limit and 0.005 < wgrad < limit
 
 
+@pytest.mark.slow
+def test_the_compiled_matmul_computes_what_the_eager_one_does():
+    """On a GPU the float8 cast-and-matmul runs under torch.compile; here (emulated, inductor
+    on the CPU) the compiled function must trace and give the eager one's numbers."""
+    from megatron.core.tensor_parallel.fp8_linear import _fp8_matmul
+
+    recipe = Fp8Recipe("hybrid", "rowwise")
+    results = []
+    for compiled in (False, True):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(32, 64, generator=gen).bfloat16().requires_grad_()
+        w = torch.randn(48, 64, generator=gen).bfloat16().requires_grad_()
+        y = _fp8_matmul(recipe, True, False, compiled)(x, w)
+        y.backward(torch.randn(32, 48, generator=gen).bfloat16())
+        results.append((y, x.grad, w.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0.02, atol=0.02)
+
+
 def test_without_fp8_wgrad_the_weight_gradient_is_high_precision():
     _, _, wgrad = matmul_errors(Fp8Recipe("hybrid", wgrad=False))
     assert wgrad < 0.005  # bf16 rounding only

@@ -17,6 +17,11 @@ only the sequence shard of the input for backward) is not done here: the weight 
 reaches ``main_grad`` through the data-parallel wrapper's hook, and with sequence parallelism
 torchao keeps the gathered input.
 
+On a GPU the cast-and-matmul runs under ``torch.compile`` (torchao's float8 training is built
+for it: eagerly, each cast is several kernels of its own, and a step measured 2.3x slower than
+bf16 on an H200); one compiled function serves every layer of a recipe, specialised by the
+operands' shapes.
+
 torchao is optional, as Transformer Engine is: asking for FP8 without it is a one-line error.
 On a GPU the float8 matmuls need compute capability 8.9 or later (Ada, Hopper); on a CPU
 torchao emulates them (tests).
@@ -82,7 +87,6 @@ def check_device(device: torch.device) -> None:
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
 
 
-@functools.lru_cache(maxsize=None)
 def _torchao_configs(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool):
     float8_config, float8_linear = require_torchao()
     cast = float8_config.CastConfig
@@ -127,7 +131,17 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is the
     # token count, which variable sequence lengths may leave uneven: padded then (a copy).
     tokens = input_.numel() // max(input_.shape[-1], 1)
-    matmul, config, mm_config = _torchao_configs(recipe, emulate=input_.device.type != "cuda",
-                                                 pad_inner_dim=tokens % 16 != 0)
-    output = matmul.apply(input_, weight.t(), mm_config, config)
+    emulate = input_.device.type != "cuda"
+    output = _fp8_matmul(recipe, emulate, tokens % 16 != 0, compiled=not emulate)(input_, weight)
     return output if bias is None else output + bias
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_matmul(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool, compiled: bool):
+    """``(input_, weight) -> input_ @ weight.T`` in float8, under torch.compile if asked."""
+    matmul, config, mm_config = _torchao_configs(recipe, emulate, pad_inner_dim)
+
+    def fp8_matmul(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return matmul.apply(input_, weight.t(), mm_config, config)
+
+    return torch.compile(fp8_matmul) if compiled else fp8_matmul
