@@ -845,8 +845,12 @@ def compatibility_report(args: argparse.Namespace, work_dir: Path) -> str:
     sides = {label: load_results(label, args.results, settings.world_size, selection.run)
              for label in trees if args.side not in ("both", label)}
     if "upstream" in sides and all(rel in sides["upstream"].no_result for rel in selection.run):
-        raise HarnessError(f"no upstream result to compare with: run --side upstream with "
-                           f"--results {args.results} first")
+        if args.side == "none":
+            raise HarnessError(f"no upstream result to compare with in {args.results}")
+        # Runners side by side (one per side or per group of files) fill their folders at
+        # once; --side none compares afterwards.
+        progress(f"no upstream result in {args.results} yet: this run keeps this tree's "
+                 f"results there; compare once upstream's are in with --side none")
     for label in trees:
         if label not in sides:
             keep = results_keeper(label, args.results, settings.world_size)

@@ -199,8 +199,10 @@ def test_one_side_at_a_time_gives_the_same_report(tmp_path):
     scope = tmp_path / "scope.toml"
     scope.write_text(SCOPE)
     results = tmp_path / "results"
-    too_early = run_runner(tree, scope, "--side", "here", "--results", str(results))
-    assert too_early.returncode == 2 and "run --side upstream" in too_early.stderr
+    nothing = run_runner(tree, scope, "--side", "none", "--results", str(results))
+    assert nothing.returncode == 2 and "no upstream result to compare with" in nothing.stderr
+    early = run_runner(tree, scope, "--side", "here", "--results", str(results / "early"))
+    assert early.returncode == 0 and "compare once upstream's are in" in early.stderr
     first = run_runner(tree, scope, "--side", "upstream", "--results", str(results))
     assert first.returncode == 0, first.stdout + first.stderr
     second = run_runner(tree, scope, "--side", "here", "--results", str(results))
