@@ -7,7 +7,8 @@ and with scaled fp16 ones; prints one line per case and exits 1 on a mismatch. T
 interpreter truncates fp32 to half precision where GPUs round, so the written weights and
 scaled moments are held to one step of their precision rather than to equality. Its fp8
 conversion does not carry a rounded-up mantissa into the exponent (127.9 becomes 64, seen
-with triton 3.9.0), so fp8 moments are compared on a GPU only.
+with triton 3.9.0): for the fp8 cases, e4m3 conversions go through torch's (round to nearest
+even, as the GPU's) instead (``exact_e4m3_conversions``).
 ``run`` and ``mismatches`` also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
 """
 
@@ -59,9 +60,9 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
     to nearest; otherwise (the interpreter truncates) within one step of their precision.
     """
     worst, wrong = 0.0, []
-    # Values stored rounded (fp16 main parameters, scaled moments): one step of their precision
-    # apart where both sides round to nearest (a GPU); where the interpreter truncates, the
-    # truncations carry into the next step.
+    # fp16 main parameters: one step of their precision apart where both sides round to
+    # nearest (a GPU); where the interpreter truncates, the truncations carry into the next
+    # step.
     steps_apart = 1 if model_rounding else STEPS
     # Bias corrections as exp(step * log(beta)) against beta ** step: fp32 rounding, relative
     # to an update of about lr (1e-2) per step. Scaled moments one step of their precision
@@ -73,8 +74,10 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
         a, b = want.main, have.main
         worst = max(worst, ((a.float() - b.float()).abs() / (a.float().abs() + 1e-6)).max().item())
         if a.dtype == torch.float16:
-            if int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max()) \
-                    > steps_apart:
+            # Or as far apart as scaled moments one step apart move a weight (atol).
+            ulps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+            near = (a.float() - b.float()).abs() <= atol
+            if not ((ulps <= steps_apart) | near).all():
                 wrong.append(f"region {index} main")
         elif not torch.allclose(a, b, rtol=1e-5, atol=atol):
             wrong.append(f"region {index} main")
@@ -92,13 +95,13 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
             bits = torch.int16 if a.dtype == torch.float16 else torch.uint8
             apart = (a.view(bits).int() - b.view(bits).int()).abs()
             worst = max(worst, float(apart.max()) * eps)
-            if not model_rounding:
-                # A truncation at a step where the value was larger carries its absolute
-                # error on: one step of the largest value per step taken.
-                difference = (a.float() - b.float()).abs()
-                if (difference > STEPS * eps * a.float().abs().max()).any():
-                    wrong.append(f"region {index} {kind}")
-            elif int(apart.max()) > 1:
+            # Both sides round to nearest, but the kernel's fused multiply-adds against torch's
+            # separate ones land a value on the other side of a tie now and then (bf16
+            # gradients make ties common); the step of difference then carries on as an
+            # absolute error into the next steps, where the value may be far smaller, or the
+            # scale halved. Bound: one step of the largest value per step taken.
+            difference = (a.float() - b.float()).abs()
+            if (difference > STEPS * eps * a.float().abs().max()).any():
                 wrong.append(f"region {index} {kind}")
     for index, (want, have) in enumerate(zip(expected.regions, got.regions)):
         if have.main.dtype == torch.float16:  # the model weights are the fp32 update's rounding
@@ -115,11 +118,34 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
     return worst, wrong
 
 
+def exact_e4m3_conversions() -> None:
+    """Have the interpreter convert between fp32 and e4m3 through torch."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def exact(data, source, target, rounding_mode):
+        if (source, target) == (tl.float32, tl.float8e4nv):
+            values = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.float32).copy())
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(data.shape)
+        if (source, target) == (tl.float8e4nv, tl.float32):
+            bits = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.uint8).copy())
+            wide = bits.view(torch.float8_e4m3fn).float().view(torch.int32)
+            return wide.numpy().view(np.uint32).reshape(data.shape)
+        return convert(data, source, target, rounding_mode)
+
+    interpreter._convert_float = exact
+
+
 def main() -> int:
     assert triton_kernel() is not None, "triton is not importable"
+    exact_e4m3_conversions()
     failed = False
     for dtype, moments, lean in ((torch.bfloat16, FP32, False), (torch.float16, FP32, False),
-                                 (torch.bfloat16, FP16, False), (torch.bfloat16, FP16, True)):
+                                 (torch.bfloat16, FP16, False), (torch.bfloat16, FP16, True),
+                                 (torch.bfloat16, FP8_FP16, False), (torch.bfloat16, FP8, True)):
         for distributed in (False, True):
             expected = run(distributed, False, dtype=dtype, moments=moments, lean=lean)
             got = run(distributed, True, dtype=dtype, moments=moments, lean=lean)
