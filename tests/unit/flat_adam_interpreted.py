@@ -95,9 +95,9 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
             bits = torch.int16 if a.dtype == torch.float16 else torch.uint8
             apart = (a.view(bits).int() - b.view(bits).int()).abs()
             worst = max(worst, float(apart.max()) * eps)
-            # Both sides round to nearest, but the kernel's fused multiply-adds against torch's
-            # separate ones land a value on the other side of a tie now and then (bf16
-            # gradients make ties common); the step of difference then carries on as an
+            # Both sides round to nearest, but their fp32 arithmetic differs in its last bit
+            # (operation order, fused multiply-adds), which lands a value on the other side of
+            # a tie now and then (bf16 gradients make ties common); the step of difference then carries on as an
             # absolute error into the next steps, where the value may be far smaller, or the
             # scale halved. Bound: one step of the largest value per step taken.
             difference = (a.float() - b.float()).abs()
