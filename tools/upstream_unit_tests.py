@@ -12,7 +12,9 @@ A check before each run proves which ``megatron`` is imported.
 At world size 1 pytest runs as one process. At N > 1 it runs as N processes on one machine,
 each a one-GPU host to NCCL (``tools/launch_nccl_ranks.py``), with ``LOCAL_RANK`` = its rank as
 upstream's ``Utils`` expects; rank 0's junit XML is the result. A session that ends without
-junit XML (a crash, or killed at its deadline) is run again one file per session.
+junit XML (a crash, or killed at its deadline) is run again one file per session; a plugin of
+the runner's (``upstream_unit_tests_support/test_progress.py``) records each test as it ends, so
+a session cut off keeps the results of the tests that ended and names the one it was running.
 
 A measurement too long for one sitting (world size 8 on one GPU) can be split: ``--side
 upstream`` or ``--side here`` runs one tree and keeps its junit XML under ``--results DIR``; a
@@ -64,6 +66,8 @@ THIS_TREE = TOOLS.parent
 # Holds te_absent.py, the pytest plugin given to both runs when Transformer Engine is missing.
 SUPPORT_DIR = TOOLS / "upstream_unit_tests_support"
 TE_ABSENT_PLUGIN = "te_absent"
+PROGRESS_PLUGIN = "test_progress"
+PROGRESS_VARIABLE = "UPSTREAM_TEST_PROGRESS"
 DEFAULT_SCOPE = TOOLS / "upstream_unit_tests_scope.toml"
 UNIT_DIR = Path("tests") / "unit_tests"
 HARNESS_FAILURE = 2
@@ -208,8 +212,8 @@ def make_layout(upstream_tree: Path, work_dir: Path) -> Path:
 
 
 def settings_path(settings: "RunSettings") -> list[Path]:
-    """Folders after the tree on PYTHONPATH: packages upstream needs, then the plugin's."""
-    return [*settings.extra_path, *([SUPPORT_DIR] if settings.te_absent else [])]
+    """Folders after the tree on PYTHONPATH: packages upstream needs, then the plugins'."""
+    return [*settings.extra_path, SUPPORT_DIR]
 
 
 def transformer_engine_absent(python: str, layout: Path, env: dict[str, str]) -> bool:
@@ -273,6 +277,7 @@ class Session:
     seconds: float
     junit: Path  # rank 0's; may not exist
     log: Path  # rank 0's output
+    salvaged: bool = False  # the junit XML was rebuilt from the progress of a cut-off session
 
     def describe(self) -> str:
         if self.returncode is None:
@@ -306,7 +311,8 @@ class RunSettings:
 
 def pytest_command(settings: RunSettings, files: Sequence[str]) -> list[str]:
     command = [settings.python, "-m", "pytest", "-p", "no:cacheprovider",
-               "-o", "junit_family=xunit1", "--continue-on-collection-errors", "-rN"]
+               "-o", "junit_family=xunit1", "--continue-on-collection-errors", "-rN",
+               "-p", PROGRESS_PLUGIN]
     if settings.te_absent:
         command += ["-p", TE_ABSENT_PLUGIN]
     if settings.markers:
@@ -328,6 +334,10 @@ def junit_path(session_dir: Path, rank: int) -> Path:
     return session_dir / f"junit-rank{rank}.xml"
 
 
+def progress_path(session_dir: Path, rank: int) -> Path:
+    return session_dir / f"progress-rank{rank}.jsonl"
+
+
 def _one_process_environment(env: dict[str, str]) -> dict[str, str]:
     full = {**os.environ, **env,
             **launch_nccl_ranks.rank_environment(0, 1, launch_nccl_ranks.free_port())}
@@ -341,7 +351,9 @@ def _run_one_process(command, files, layout, env, session_dir, timeout_s, echo) 
     junit = junit_path(session_dir, 0)
     start = time.monotonic()
     proc = subprocess.Popen([*command, f"--junitxml={junit}"], cwd=layout,
-                            env=_one_process_environment(env), stdout=subprocess.PIPE,
+                            env={**_one_process_environment(env),
+                                 PROGRESS_VARIABLE: str(progress_path(session_dir, 0))},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     pump = threading.Thread(target=launch_nccl_ranks._pump,
@@ -349,7 +361,8 @@ def _run_one_process(command, files, layout, env, session_dir, timeout_s, echo) 
     pump.start()
     returncode = _wait_or_kill(proc, timeout_s)
     pump.join(timeout=10.0)
-    return Session(list(files), returncode, time.monotonic() - start, junit, log)
+    return salvage(Session(list(files), returncode, time.monotonic() - start, junit, log),
+                   progress_path(session_dir, 0))
 
 
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> Optional[int]:
@@ -380,7 +393,8 @@ def rank_settings(session_dir: Path, rank: int) -> dict[str, str]:
     """Per rank: upstream's Utils takes LOCAL_RANK as its rank; junit XML of its own."""
     addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS", ""),
                                      shlex.quote(f"--junitxml={junit_path(session_dir, rank)}")]))
-    return {"LOCAL_RANK": str(rank), "PYTEST_ADDOPTS": addopts}
+    return {"LOCAL_RANK": str(rank), "PYTEST_ADDOPTS": addopts,
+            PROGRESS_VARIABLE: str(progress_path(session_dir, rank))}
 
 
 def _run_ranks(command, files, layout, env, session_dir, timeout_s, settings) -> Session:
@@ -393,8 +407,53 @@ def _run_ranks(command, files, layout, env, session_dir, timeout_s, settings) ->
             log_dir=str(session_dir), echo=settings.echo, extra_env=env,
             per_rank_env=[rank_settings(session_dir, r) for r in range(n)])
     rank0 = outcomes[0]
-    return Session(list(files), rank0.returncode, time.monotonic() - start,
-                   junit_path(session_dir, 0), Path(rank0.log))
+    return salvage(Session(list(files), rank0.returncode, time.monotonic() - start,
+                           junit_path(session_dir, 0), Path(rank0.log)),
+                   progress_path(session_dir, 0))
+
+
+def salvage(session: Session, progress: Path) -> Session:
+    """A session that ended without junit XML (killed at its deadline, or stopped when a
+    rank died) gets one rebuilt from its progress: the tests that finished, and the one that
+    was running, as an error saying the session ended during it."""
+    if session.junit.is_file() or not progress.is_file():
+        return session
+    tests: dict[str, dict[str, dict]] = {}
+    for line in progress.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            tests.setdefault(record["nodeid"], {})[record["event"]] = record
+    if not tests:
+        return session
+    suite = ET.Element("testsuite")
+    for nodeid, phases in tests.items():
+        path, *names = nodeid.split("::")
+        case = ET.SubElement(suite, "testcase", file=path, name=names[-1] if names else path,
+                             classname=".".join([path[:-3].replace("/", ".")] + names[:-1]))
+        outcome = _salvaged_outcome(phases, session)
+        if outcome is not None:
+            ET.SubElement(case, outcome[0], message=outcome[1])
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(session.junit, encoding="utf-8", xml_declaration=True)
+    started = {nodeid.split("::")[0] for nodeid in tests}
+    return dataclasses.replace(session, salvaged=True, files=[
+        rel for rel in session.files if (UNIT_DIR / rel).as_posix() in started])
+
+
+def _salvaged_outcome(phases: dict[str, dict], session: Session) -> Optional[tuple[str, str]]:
+    """The junit element (tag, message) of one test from its phases' records; None: passed."""
+    setup, call = phases.get("setup"), phases.get("call")
+    for record, tag in ((setup, "error"), (call, "failure"), (phases.get("teardown"), "error")):
+        if record is None:
+            continue
+        if record["outcome"] == "failed":
+            return tag, record["message"]
+        if record["outcome"] == "skipped":
+            return "skipped", record["message"]
+    if call is None or "teardown" not in phases:
+        return "error", f"the session ended during this test ({session.describe()})"
+    return None
 
 
 # ------------------------------------------------------------------------- junit XML
@@ -529,8 +588,9 @@ def run_tree(label: str, tree: Path, files: Sequence[str], layout: Path, work_di
             raise HarnessError(f"{label}: {result.no_result[files[0]]} (see --extra-path for "
                                f"packages upstream needs; log {session.log})")
         return result
-    if not session.junit.is_file() and not settings.session_per_file:
-        progress(f"{label}: no junit XML ({session.describe()}); one session per file now")
+    if (session.salvaged or not session.junit.is_file()) and not settings.session_per_file:
+        progress(f"{label}: no junit XML from pytest ({session.describe()}); one session per "
+                 f"file now")
         _per_file(label, files, layout, env, work_dir, settings, result, keep)
     if reference and all(rel in result.no_result for rel in files):
         raise HarnessError(f"{label}: no pytest session gave a result; see {session.log}")
@@ -556,9 +616,14 @@ def _absorb(session: Session, files: Sequence[str], result: RunResult, label: st
     keep(session)
     if session.junit.is_file():
         read_junit(session.junit, files, result)
-        for rel in files:  # an earlier session that left none is superseded
+        for rel in session.files:  # an earlier session that left none is superseded
             result.no_result.pop(rel, None)
-        progress(f"{label}: {session.describe()}: {session.summary_line()}")
+        for rel in set(files) - set(session.files):  # a cut-off session never reached it
+            result.no_result.setdefault(rel, f"the session ended before it ran "
+                                             f"({session.describe()}, log {session.log})")
+        summary = ("cut off; the results of the tests that ended, and the test running then, "
+                   "rebuilt from its progress" if session.salvaged else session.summary_line())
+        progress(f"{label}: {session.describe()}: {summary}")
         return
     if session.returncode in PYTEST_HARNESS_CODES:
         why = f"pytest could not start: {startup_error(session.log)}"

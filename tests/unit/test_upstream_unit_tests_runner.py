@@ -269,10 +269,16 @@ def test_a_session_that_dies_is_rerun_file_by_file(tmp_path, per_file):
     lines = report_lines(done.stdout)
     assert lines["test_shared.py"].split() == ["test_shared.py", "1", "1", "0"]
     assert lines["sub/test_name_missing.py"].split() == ["sub/test_name_missing.py", "3", "2", "1"]
-    assert lines["test_exits.py"].split()[1:3] == ["-", "-"]
+    # The dying test's result is rebuilt from the session's progress: an error, in both runs.
+    assert lines["test_exits.py"].split()[1:3] == ["0", "0"]
     assert ("one session per file now" in done.stderr) != per_file
-    for side in ("upstream", "here"):  # kept as each session ended: 4 files gave junit XML
-        assert len(list((results / side).glob("ws1-*.xml"))) == 4
+    assert "rebuilt from its progress" in done.stderr
+    for side in ("upstream", "here"):  # kept as each session ended, the cut-off one too
+        saved = sorted((results / side).glob("ws1-*.xml"))
+        assert len(saved) == 5 + (not per_file)  # one per file, after the all-files one
+        rebuilt = [path for path in saved if "the session ended during this test" in
+                   path.read_text()]
+        assert rebuilt and all("test_exit" in path.read_text() for path in rebuilt)
 
 
 def test_a_later_session_that_ran_a_file_clears_its_collection_error(tmp_path):
@@ -297,3 +303,23 @@ def test_a_later_session_that_ran_a_file_clears_its_collection_error(tmp_path):
     result = runner.load_results("upstream", tmp_path, 8, ["test_a.py", "test_b.py"])
     assert result.file_errors["test_a.py"] == "collection failure"
     assert set(result.no_result) == {"test_b.py"}
+
+
+def test_a_session_cut_off_at_its_deadline_keeps_the_tests_that_ended(tmp_path):
+    """A test that hangs (as one in a collective can at world size 8): the file's session is
+    killed at its deadline, and the tests that ended before it still count; the hanging one is
+    an error naming the deadline."""
+    tree = make_fake_tree(tmp_path / "upstream")
+    (tree / "tests/unit_tests/test_hangs.py").write_text(
+        "import time\n\ndef test_first():\n    pass\n\n"
+        "def test_hangs():\n    time.sleep(600)\n\ndef test_never_reached():\n    pass\n")
+    scope = tmp_path / "scope.toml"
+    scope.write_text(SCOPE.replace('"test_env.py"]', '"test_env.py", "test_hangs.py"]'))
+    results = tmp_path / "results"
+    done = run_runner(tree, scope, "--only", "test_hangs.py", "--session-per-file",
+                      "--file-timeout-seconds", "8", "--results", str(results))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report_lines(done.stdout)["test_hangs.py"].split() == ["test_hangs.py", "1", "1", "0"]
+    saved = (results / "here").glob("ws1-*.xml")
+    text = next(saved).read_text()
+    assert "killed at its deadline" in text and "test_never_reached" not in text
