@@ -13,7 +13,7 @@ At world size 1 pytest runs as one process. At N > 1 it runs as N processes on o
 each a one-GPU host to NCCL (``tools/launch_nccl_ranks.py``), with ``LOCAL_RANK`` = its rank as
 upstream's ``Utils`` expects; rank 0's junit XML is the result. A session that ends without
 junit XML (a crash, or killed at its deadline) is run again one file per session; a plugin of
-the runner's (``upstream_unit_tests_support/test_progress.py``) records each test as it ends, so
+the runner's (``upstream_unit_tests_support/result_stream.py``) records each test as it ends, so
 a session cut off keeps the results of the tests that ended and names the one it was running.
 
 A measurement too long for one sitting (world size 8 on one GPU) can be split: ``--side
@@ -66,7 +66,7 @@ THIS_TREE = TOOLS.parent
 # Holds te_absent.py, the pytest plugin given to both runs when Transformer Engine is missing.
 SUPPORT_DIR = TOOLS / "upstream_unit_tests_support"
 TE_ABSENT_PLUGIN = "te_absent"
-PROGRESS_PLUGIN = "test_progress"
+PROGRESS_PLUGIN = "result_stream"
 PROGRESS_VARIABLE = "UPSTREAM_TEST_PROGRESS"
 DEFAULT_SCOPE = TOOLS / "upstream_unit_tests_scope.toml"
 UNIT_DIR = Path("tests") / "unit_tests"
