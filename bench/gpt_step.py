@@ -32,6 +32,8 @@ whose forward and backward replay CUDA graphs (the most graphs can save in host 
 implementation runs in its own process; the step time is the median of ``--steps`` steps after
 ``--warmup``.
 Tokens/s and MFU use megatron.training.flops (Megatron's formula) against ``--peak-tflops``.
+``--quick`` (a tiny shape, two steps) checks that rows run; on a CPU it runs the trainer rows
+over gloo (the suite does), and measures nothing.
 """
 
 from __future__ import annotations
@@ -114,8 +116,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sdpa-backend", choices=("flash", "cudnn", "efficient"),
                         help="restrict scaled_dot_product_attention to this kernel (default: "
                         "torch's choice)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny shape for two steps, also on a CPU (trainer rows only "
+                        "there, over gloo): checks that the rows run, measures nothing")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_layers, args.hidden_size, args.num_attention_heads = 2, 64, 4
+        args.seq_length, args.vocab_size, args.micro_batch_size = 64, 128, 2
+        args.steps, args.warmup = 2, 1
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +268,12 @@ def write_profile(args, torch, run) -> None:
     (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
 
 
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def trainer_argv(args, flags: list[str]) -> list[str]:
     """pretrain_gpt.py's flags for the bench's shape: bf16 with fp32 main parameters and
     gradients, gradient clipping, Adam, one micro-batch per step."""
@@ -273,7 +289,7 @@ def trainer_argv(args, flags: list[str]) -> list[str]:
             "--attention-dropout", "0", "--bf16", "--lr", "1e-4", "--clip-grad", "1.0",
             "--transformer-impl", "local", "--mock-data", "--log-throughput",
             "--train-iters", str(2 * args.steps + args.warmup), "--log-interval", str(args.steps),
-            "--eval-iters", "0", "--distributed-backend", "nccl"]
+            "--eval-iters", "0", "--distributed-backend", "nccl" if on_gpu() else "gloo"]
     return argv + flags + args.trainer_args.split()
 
 
@@ -328,7 +344,12 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
                  "loss_mask": torch.ones(shape),
                  "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}]
 
+    gpu = on_gpu()
+    synchronize = torch.cuda.synchronize if gpu else (lambda: None)
+
     def pin(batches):
+        if not gpu:
+            return batches
         return [{key: value.pin_memory() for key, value in batch.items()} for batch in batches]
 
     pool = pin(pool)
@@ -342,12 +363,12 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
     def train(iteration: int, last: int) -> tuple[float, str]:
         get_args().train_iters = last
         log = io.StringIO()
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         with contextlib.redirect_stdout(log):
             training.train(pretrain_gpt.forward_step, model, optimizer, scheduler, batches(),
                            None, None, config, iteration, 0)
-        torch.cuda.synchronize()
+        synchronize()
         return (time.perf_counter() - start) / (last - iteration), log.getvalue()
 
     # Variable lengths: after the start-up steps (on full-length microbatches), a first pass
@@ -364,7 +385,8 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
     else:
         train(0, args.warmup)
     first = len(served)
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     step_s, log = train(first, first + args.steps)
     measured = served[first:]
     lengths = [[int(row.sum()) for row in batch["loss_mask"]] for batch in measured]
@@ -380,8 +402,8 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
         "real_flops_per_step": statistics.mean(step_flops(args, rows) for rows in lengths),
         "padded_tokens_per_step": statistics.mean(batch["tokens"].numel() for batch in measured),
         "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
+        "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
         **({"cold_step_s": cold_s, "pad_multiple": multiple,
             "distinct_lengths": len({batch["tokens"].shape[1] for batch in pool})}
            if variable else {}),
@@ -519,9 +541,11 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("error: bench/gpt_step.py measures a GPU; no CUDA device is visible",
-              file=sys.stderr)
-        return 2
+        gpu_rows = [impl for impl in args.impls.split(",") if not impl.startswith("trainer")]
+        if not args.quick or gpu_rows or args.torch_compile or args.cuda_graph:
+            print("error: bench/gpt_step.py measures a GPU; no CUDA device is visible (on a "
+                  "CPU only --quick with trainer rows runs, as a check)", file=sys.stderr)
+            return 2
     flops = step_flops(args)
     tokens = args.micro_batch_size * args.seq_length
     workers = [f"{impl}:eager" for impl in args.impls.split(",")]
