@@ -9,7 +9,7 @@ from tests.support.stacked_model import StageChunk, forward_step_func, make_micr
 
 
 def _attempt(rank, pp, case, *, chunks_override=None, drop_hidden=False, batches=None,
-             model_type=None, decoder_seq_length=None):
+             model_type=None, decoder_seq_length=None, one_iterator=False):
     config = config_for(pp, case)
     if drop_hidden:
         del config.hidden_size
@@ -23,7 +23,8 @@ def _attempt(rank, pp, case, *, chunks_override=None, drop_hidden=False, batches
     try:
         get_forward_backward_func()(
             forward_step_func=forward_step_func,
-            data_iterator=[iter(batches) for _ in chunks] if case.vpp > 1 else iter(batches),
+            data_iterator=[iter(batches) for _ in chunks[:1 if one_iterator else None]]
+            if case.vpp > 1 else iter(batches),
             model=chunks if case.vpp > 1 else chunks[0],
             num_microbatches=case.num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
             decoder_seq_length=decoder_seq_length)
@@ -45,6 +46,8 @@ def configuration_errors(rank, world_size):
                                            model_type=ModelType.encoder_and_decoder)
     messages["decoder length"] = _attempt(rank, world_size, Case(2, 4, False, "batched"),
                                           decoder_seq_length=SEQ // 2)
+    messages["iterators"] = _attempt(rank, world_size, Case(2, 4, False, "batched"),
+                                     one_iterator=True)
     parallel_state.destroy_model_parallel()
     return messages
 
@@ -58,6 +61,7 @@ def test_configuration_errors_are_raised_on_every_rank_before_any_communication(
         # Upstream raises RuntimeError for these (its unit tests expect that type).
         assert messages["encoder-decoder"].startswith("ScheduleRequestError: encoder-decoder")
         assert messages["decoder length"].startswith("ScheduleRequestError: decoder_seq_length")
+        assert messages["iterators"].startswith("ScheduleRequestError: got 2 model chunks but 1")
 
 
 def unequal_lengths_without_variable_flag(rank, world_size):

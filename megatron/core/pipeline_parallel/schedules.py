@@ -98,7 +98,7 @@ def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, s
         raise ScheduleRequestError(
             "decoder_seq_length must equal seq_length (decoder-only models)")
     if len(data_iterators) != len(model_chunks):
-        raise ValueError(
+        raise ScheduleRequestError(
             f"got {len(model_chunks)} model chunks but {len(data_iterators)} data iterators; "
             f"pass one iterator per chunk (None where a chunk reads no data)")
     if pipelined:
