@@ -597,12 +597,8 @@ def get_tensor_and_context_parallel_rank() -> int:
 
 def _expert_stand_in(token: str, caller: str) -> tuple[ProcessGroups, str]:
     """The groups and the kind among them with the members of upstream's expert group
-    ``token``: the expert kind itself where the layout has expert groups."""
+    ``token`` (an expert kind where the layout has expert groups)."""
     groups = _groups(caller)
-    created = next((kind for kind, named in process_groups.EXPERT_KINDS.items()
-                    if named == token and kind in groups.expert_groups), None)
-    if created is not None:
-        return groups, created
     expert = groups.expert[token]
     if expert.stand_in is None:
         layout = groups.layout
@@ -619,13 +615,8 @@ def _expert_stand_in(token: str, caller: str) -> tuple[ProcessGroups, str]:
 def _expert_group(token: str, caller: str, check_initialized: bool = True) -> Any:
     if not check_initialized and _state.groups is None:
         return None
-    return _group_of_kind(*_expert_stand_in(token, caller))
-
-
-def _group_of_kind(groups: ProcessGroups, kind: str) -> Any:
-    if kind in process_groups.EXPERT_KINDS:
-        return groups.expert_groups.get(kind)  # None where gloo twins were not asked for
-    return getattr(groups, kind)
+    groups, kind = _expert_stand_in(token, caller)
+    return groups.group(kind)
 
 
 def _expert_size(token: str, caller: str) -> int:
@@ -731,7 +722,7 @@ def get_data_modulo_expert_parallel_group() -> Any:
 def get_expert_data_parallel_group_gloo() -> Any:
     groups, kind = _expert_stand_in("dp", "get_expert_data_parallel_group_gloo")
     twin = next(twin for twin, twinned in GLOO_TWINS.items() if twinned == kind)
-    return _created_gloo(_group_of_kind(groups, twin))
+    return _created_gloo(groups.group(twin))
 
 
 def get_expert_data_parallel_rank() -> int:

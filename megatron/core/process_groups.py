@@ -674,8 +674,18 @@ class ProcessGroups:
 
     @cached_property
     def expert(self) -> dict[str, ExpertGroup]:
-        """This rank's expert groups by upstream token; see :func:`expert_group_stand_ins`."""
-        return expert_group_stand_ins(self.layout, self.rank)
+        """This rank's expert groups by upstream token: the created expert kinds where the
+        layout has expert groups, else the stand-ins of :func:`expert_group_stand_ins`."""
+        if not self.layout.has_expert_groups:
+            return expert_group_stand_ins(self.layout, self.rank)
+        return {token: ExpertGroup(_group_holding(self.rank, self.layout.rank_groups(kind)), kind)
+                for kind, token in EXPERT_KINDS.items() if kind not in GLOO_TWINS}
+
+    def group(self, kind: str) -> Any | None:
+        """This rank's group of ``kind``, an expert kind included (None where not created)."""
+        if kind in EXPERT_KINDS:
+            return self.expert_groups.get(kind)
+        return getattr(self, kind)
 
     def held_groups(self) -> list[Any]:
         """Every distinct group object this rank holds (for teardown)."""
