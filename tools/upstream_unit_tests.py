@@ -66,8 +66,8 @@ THIS_TREE = TOOLS.parent
 # Holds te_absent.py, the pytest plugin given to both runs when Transformer Engine is missing.
 SUPPORT_DIR = TOOLS / "upstream_unit_tests_support"
 TE_ABSENT_PLUGIN = "te_absent"
-PROGRESS_PLUGIN = "result_stream"
-PROGRESS_VARIABLE = "UPSTREAM_TEST_PROGRESS"
+RESULT_STREAM_PLUGIN = "result_stream"
+RESULT_STREAM_VARIABLE = "UPSTREAM_TEST_RESULT_STREAM"
 DEFAULT_SCOPE = TOOLS / "upstream_unit_tests_scope.toml"
 UNIT_DIR = Path("tests") / "unit_tests"
 HARNESS_FAILURE = 2
@@ -277,7 +277,7 @@ class Session:
     seconds: float
     junit: Path  # rank 0's; may not exist
     log: Path  # rank 0's output
-    salvaged: bool = False  # the junit XML was rebuilt from the progress of a cut-off session
+    salvaged: bool = False  # the junit XML was rebuilt from a cut-off session's results
 
     def describe(self) -> str:
         if self.returncode is None:
@@ -312,7 +312,7 @@ class RunSettings:
 def pytest_command(settings: RunSettings, files: Sequence[str]) -> list[str]:
     command = [settings.python, "-m", "pytest", "-p", "no:cacheprovider",
                "-o", "junit_family=xunit1", "--continue-on-collection-errors", "-rN",
-               "-p", PROGRESS_PLUGIN]
+               "-p", RESULT_STREAM_PLUGIN]
     if settings.te_absent:
         command += ["-p", TE_ABSENT_PLUGIN]
     if settings.markers:
@@ -334,8 +334,8 @@ def junit_path(session_dir: Path, rank: int) -> Path:
     return session_dir / f"junit-rank{rank}.xml"
 
 
-def progress_path(session_dir: Path, rank: int) -> Path:
-    return session_dir / f"progress-rank{rank}.jsonl"
+def result_stream_path(session_dir: Path, rank: int) -> Path:
+    return session_dir / f"results-rank{rank}.jsonl"
 
 
 def _one_process_environment(env: dict[str, str]) -> dict[str, str]:
@@ -352,7 +352,7 @@ def _run_one_process(command, files, layout, env, session_dir, timeout_s, echo) 
     start = time.monotonic()
     proc = subprocess.Popen([*command, f"--junitxml={junit}"], cwd=layout,
                             env={**_one_process_environment(env),
-                                 PROGRESS_VARIABLE: str(progress_path(session_dir, 0))},
+                                 RESULT_STREAM_VARIABLE: str(result_stream_path(session_dir, 0))},
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                             start_new_session=True)
@@ -362,7 +362,7 @@ def _run_one_process(command, files, layout, env, session_dir, timeout_s, echo) 
     returncode = _wait_or_kill(proc, timeout_s)
     pump.join(timeout=10.0)
     return salvage(Session(list(files), returncode, time.monotonic() - start, junit, log),
-                   progress_path(session_dir, 0))
+                   result_stream_path(session_dir, 0))
 
 
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> Optional[int]:
@@ -394,7 +394,7 @@ def rank_settings(session_dir: Path, rank: int) -> dict[str, str]:
     addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS", ""),
                                      shlex.quote(f"--junitxml={junit_path(session_dir, rank)}")]))
     return {"LOCAL_RANK": str(rank), "PYTEST_ADDOPTS": addopts,
-            PROGRESS_VARIABLE: str(progress_path(session_dir, rank))}
+            RESULT_STREAM_VARIABLE: str(result_stream_path(session_dir, rank))}
 
 
 def _run_ranks(command, files, layout, env, session_dir, timeout_s, settings) -> Session:
@@ -409,17 +409,17 @@ def _run_ranks(command, files, layout, env, session_dir, timeout_s, settings) ->
     rank0 = outcomes[0]
     return salvage(Session(list(files), rank0.returncode, time.monotonic() - start,
                            junit_path(session_dir, 0), Path(rank0.log)),
-                   progress_path(session_dir, 0))
+                   result_stream_path(session_dir, 0))
 
 
-def salvage(session: Session, progress: Path) -> Session:
+def salvage(session: Session, stream: Path) -> Session:
     """A session that ended without junit XML (killed at its deadline, or stopped when a
-    rank died) gets one rebuilt from its progress: the tests that finished, and the one that
-    was running, as an error saying the session ended during it."""
-    if session.junit.is_file() or not progress.is_file():
+    rank died) gets one rebuilt from its result stream: the tests that finished, and the one
+    that was running, as an error saying the session ended during it."""
+    if session.junit.is_file() or not stream.is_file():
         return session
     tests: dict[str, dict[str, dict]] = {}
-    for line in progress.read_text(errors="replace").splitlines():
+    for line in stream.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             record = json.loads(line)
             tests.setdefault(record["nodeid"], {})[record["event"]] = record

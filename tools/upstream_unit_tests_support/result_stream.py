@@ -2,9 +2,9 @@
 
 pytest writes its junit XML only when the session ends, so a session killed at its deadline
 (a test that hangs in a collective, at world size 8) would lose every result it had. This
-plugin appends a line per test phase to the file named by ``$UPSTREAM_TEST_PROGRESS`` (a line
-when a test starts, one per phase that reports) from which the runner rebuilds the finished
-tests' results and names the test that was running when the session was killed.
+plugin appends a line per test phase to the file named by ``$UPSTREAM_TEST_RESULT_STREAM``
+(a line when a test starts, one per phase that reports) from which the runner rebuilds the
+finished tests' results and names the test that was running when the session was killed.
 """
 
 import json
@@ -12,7 +12,7 @@ import os
 
 
 def _write(record: dict) -> None:
-    path = os.environ.get("UPSTREAM_TEST_PROGRESS")
+    path = os.environ.get("UPSTREAM_TEST_RESULT_STREAM")
     if path:
         with open(path, "a", encoding="utf-8") as out:
             out.write(json.dumps(record) + "\n")
