@@ -15,17 +15,22 @@ heads, sequence 1024, global batch 32) from the same seed on the same batches wi
 
 It prints the final loss of each (the mean of the last ``--final-window`` steps, which evens
 out batch-to-batch noise) and its ratio to ``bf16``'s, against issue 25's bounds (FP8 within
-1.5%, low-precision state within 0.5%), and draws the curves with matplotlib. On a CPU
-(``--distributed-backend gloo``, small ``--steps`` and shape) it is a smoke run.
+1.5%, low-precision state within 0.5%), and draws the curves with matplotlib. ``--parallel N``
+trains N variants at once (a 125M model leaves most of an H200 idle; the losses do not depend
+on what else runs). Each curve is written to ``--png``'s ``.json`` as its run ends, so a run cut
+short keeps the variants that finished, and each run's output to ``<png>-logs/``. On a CPU (``--distributed-backend gloo``, small
+``--steps`` and shape) it is a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,10 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--distributed-backend", default="nccl", choices=("nccl", "gloo"))
     parser.add_argument("--png", type=Path, default=REPO / "bench" / "out" / "loss_curves.png")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="variants trained at the same time (default 1)")
     args = parser.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.parallel < 1:
+        parser.error(f"--parallel must be at least 1, got {args.parallel}")
     for name in ("corpus_text_document.bin", "tokenizer.model"):
         if not (args.data / name).is_file():
             parser.error(f"{args.data} holds no {name}: make it with tools/make_text_corpus.py")
@@ -88,16 +97,25 @@ def train_argv(args) -> list[str]:
         "--data-cache-path", str(args.data / "cache")]
 
 
-def run_variant(args, flags: list[str]) -> dict[int, float]:
+def run_variant(args, name: str) -> dict[int, float]:
+    """Train one variant; its output goes to ``<png>-logs/<name>.log`` as it runs (a run cut
+    short still shows how far each variant got)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", str(REPO / "pretrain_gpt.py"), *train_argv(args), *flags]
+               "--nproc-per-node", "1", str(REPO / "pretrain_gpt.py"), *train_argv(args),
+               *VARIANTS[name]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=args.timeout_s)
+    log = logs_dir(args) / f"{name}.log"
+    with open(log, "w") as stream:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=stream,
+                              stderr=subprocess.STDOUT, timeout=args.timeout_s)
+    output = log.read_text()
     if done.returncode != 0:
-        tail = (done.stdout + done.stderr)[-3000:]
-        raise RuntimeError(f"{' '.join(flags)} failed (exit {done.returncode}):\n{tail}")
-    return {int(i): float(v) for i, v in LOSS.findall(done.stdout)}
+        raise RuntimeError(f"{name} failed (exit {done.returncode}), {log}:\n{output[-3000:]}")
+    return {int(i): float(v) for i, v in LOSS.findall(output)}
+
+
+def logs_dir(args) -> Path:
+    return args.png.with_name(f"{args.png.stem}-logs")
 
 
 def final_loss(curve: dict[int, float], window: int) -> float:
@@ -120,17 +138,29 @@ def draw(curves: dict[str, dict[int, float]], png: Path) -> None:
     axes.set_yscale("log")
     axes.legend()
     axes.grid(True, alpha=0.3)
-    png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png, dpi=120, bbox_inches="tight")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    curves = {}
-    for name in args.variants.split(","):
-        curves[name] = run_variant(args, VARIANTS[name])
-        print(f"{name}: {len(curves[name])} steps, final loss "
-              f"{final_loss(curves[name], args.final_window):.4f}", flush=True)
+    names = args.variants.split(",")
+    record = args.png.with_suffix(".json")
+    logs_dir(args).mkdir(parents=True, exist_ok=True)
+    curves, failed = {}, []
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        runs = {pool.submit(run_variant, args, name): name for name in names}
+        for run in as_completed(runs):
+            name = runs[run]
+            try:
+                curves[name] = run.result()
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                failed.append(name)
+                print(f"{name}: FAILED: {err}", flush=True)
+                continue
+            record.write_text(json.dumps(curves, indent=1))
+            print(f"{name}: {len(curves[name])} steps, final loss "
+                  f"{final_loss(curves[name], args.final_window):.4f}", flush=True)
+    curves = {name: curves[name] for name in names if name in curves}
     if "bf16" in curves:
         reference = final_loss(curves["bf16"], args.final_window)
         for name, bound in BOUNDS.items():
@@ -140,8 +170,8 @@ def main(argv=None) -> int:
                 print(f"{name}/bf16 final loss = {ratio:.4f} (target within "
                       f"{100 * bound:.1f}%; {verdict})")
     draw(curves, args.png)
-    print(f"curves: {args.png}")
-    return 0
+    print(f"curves: {args.png} (losses: {record})")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

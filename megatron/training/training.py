@@ -415,6 +415,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     state = LogState()
     hooks = LoopHooks(args, model)
     hooks.start(iteration)
+    # The log line divides this timer by the iterations of this call's LogState: time an
+    # earlier call left on it unlogged (the benchmark's warm-up steps) is not theirs.
+    timers("interval-time", log_level=0).reset()
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     should_exit = False
