@@ -329,7 +329,9 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
 
     initialize_megatron(argv=trainer_argv(args, flags))
     variable = is_variable(flags)
-    timers = Timers(log_level=1)
+    # pretrain's timers: at the default --timing-log-level 0 the step's finer timers, which
+    # synchronize the device, do nothing.
+    timers = Timers(get_args().timing_log_level, get_args().timing_log_option)
     set_timers(timers)
     model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
     config = training.step_config(model, optimizer, timers)
