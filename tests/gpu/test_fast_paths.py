@@ -11,7 +11,9 @@
   bf16 weights) against the same arithmetic in torch operations, plain and distributed, and
   20 training iterations against the default optimizer.
 * ``--fp8-format`` without Transformer Engine: the float8 cast-and-matmul under torch.compile
-  (as fp8_linear runs it on a GPU) against the same torchao function run eagerly.
+  (as fp8_linear runs it on a GPU) against the same function run eagerly; the tensorwise weight
+  gradient written into ``main_grad`` (``torch._scaled_mm`` with ``out=``) against the plain
+  path's through the data-parallel buffers.
 """
 
 import sys
@@ -147,3 +149,11 @@ def test_compiled_fp8_matmul_on_cuda(scaling):
     from tests.unit.test_fp8_linear import check_compiled_matches_eager
 
     check_compiled_matches_eager(Fp8Recipe("hybrid", scaling), "cuda", 256, 512, 384)
+
+
+@pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-buffer", "bf16-buffer"])
+def test_fp8_weight_gradient_into_main_grad_on_cuda(in_fp32):
+    pytest.importorskip("torchao.float8")
+    from tests.unit.test_fp8_tensorwise import check_fused_and_plain_gradients_agree
+
+    check_fused_and_plain_gradients_agree("cuda", in_fp32)

@@ -48,20 +48,31 @@ def test_fp8_matmuls_carry_float8_error_only(recipe):
     assert 0.005 < out < 0.06 and 0.005 < dgrad < limit and 0.005 < wgrad < limit
 
 
+def fp8_matmul(recipe: Fp8Recipe, device: str, compiled: bool):
+    """``(x, w) -> x @ w.T`` as fp8_linear computes it for ``recipe`` (tensorwise: this tree's
+    casts and GEMMs; rowwise: torchao's), compiled or eager."""
+    from megatron.core.tensor_parallel.fp8_linear import _fp8_matmul
+    from megatron.core.tensor_parallel.fp8_tensorwise import Fp8TensorwiseMatmul
+
+    if recipe.scaling == "tensorwise":
+        grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+        return lambda x, w: Fp8TensorwiseMatmul.apply(x, w, grad_dtype, recipe.wgrad, False,
+                                                      compiled)
+    return _fp8_matmul(recipe, device != "cuda", False, compiled)
+
+
 def check_compiled_matches_eager(recipe: Fp8Recipe, device: str, tokens: int, inner: int,
                                  out: int) -> None:
     """The float8 cast-and-matmul under torch.compile (as fp8_linear runs it on a GPU) gives
     the eager function's output and gradients. The same casts and GEMMs: a fused amax may
     round a scale differently only where the eager one is at a tie, moving a value by a
     float8 step at most."""
-    from megatron.core.tensor_parallel.fp8_linear import _fp8_matmul
-
     results = []
     for compiled in (False, True):
         gen = torch.Generator(device=device).manual_seed(1)
         x = torch.randn(tokens, inner, device=device, generator=gen).bfloat16().requires_grad_()
         w = torch.randn(out, inner, device=device, generator=gen).bfloat16().requires_grad_()
-        y = _fp8_matmul(recipe, device != "cuda", False, compiled)(x, w)
+        y = fp8_matmul(recipe, device, compiled)(x, w)
         y.backward(torch.randn(tokens, out, device=device, generator=gen).bfloat16())
         results.append((y, x.grad, w.grad))
     for eager, compiled in zip(*results):
@@ -69,9 +80,10 @@ def check_compiled_matches_eager(recipe: Fp8Recipe, device: str, tokens: int, in
 
 
 @pytest.mark.slow
-def test_the_compiled_matmul_computes_what_the_eager_one_does():
-    """Here emulated, with inductor on the CPU: the compiled function must trace."""
-    check_compiled_matches_eager(Fp8Recipe("hybrid", "rowwise"), "cpu", 32, 64, 48)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_the_compiled_matmul_computes_what_the_eager_one_does(scaling):
+    """Here on the CPU (torchao emulated), with inductor: the compiled functions must trace."""
+    check_compiled_matches_eager(Fp8Recipe("hybrid", scaling), "cpu", 40, 64, 48)
 
 
 def test_without_fp8_wgrad_the_weight_gradient_is_high_precision():

@@ -1,30 +1,29 @@
-"""FP8 matmuls of the tensor-parallel linears, through torchao's float8 training.
+"""FP8 matmuls of the tensor-parallel linears (``--fp8-format`` without Transformer Engine).
 
-``--fp8-format`` without Transformer Engine: the transformer layers' column- and row-parallel
-linears (attention's QKV and projection, the MLP's two) compute ``x W^T`` in float8 with
-torchao's dynamic scaling, recomputed from each tensor at each use (``tensorwise``: one scale
-per tensor; ``rowwise``: one per row of each operand, with power-of-two scales). ``e4m3`` casts
-inputs, weights and output gradients to e4m3; ``hybrid`` casts output gradients to e5m2 (their
-range matters more than their precision). Without ``fp8_wgrad`` the weight-gradient matmul
-stays in the parameters' dtype. Weights, gradients and checkpoints stay as they were: only the
-matmuls' operands are cast.
+The transformer layers' column- and row-parallel linears (attention's QKV and projection, the
+MLP's two) compute ``x W^T`` in float8 with dynamic scaling, recomputed from each tensor at
+each use (``tensorwise``: one scale per tensor; ``rowwise``: one per row of each operand, with
+power-of-two scales). ``e4m3`` casts inputs, weights and output gradients to e4m3; ``hybrid``
+casts output gradients to e5m2 (their range matters more than their precision). Without
+``fp8_wgrad`` the weight-gradient matmul stays in the parameters' dtype. Weights, gradients
+and checkpoints stay as they were: only the matmuls' operands are cast.
 
-The layer's communication is composed around torchao's matmul (an autograd function): the
+``tensorwise`` runs fp8_tensorwise: torchao's recipe (the same scales and float8 values) with
+fewer passes over memory and the weight gradient written into ``main_grad`` (that module says
+why); shapes the float8 GEMMs cannot take go to torchao.
+``rowwise`` is torchao's float8 training, its cast-and-matmul under ``torch.compile`` on a
+GPU (eagerly each cast is several kernels: a step measured 2.3x slower than bf16 on an
+H200); one compiled function serves every layer of a recipe, specialised by shapes.
+
+The layer's communication is composed around the matmul (an autograd function): the
 sequence-parallel all-gather / reduce-scatter, or the input-gradient all-reduce, as the
-autograd-aware mappings. What the bf16 path fuses (the weight gradient accumulated straight
-into ``main_grad``, the input-gradient reduction overlapped with the weight gradient, keeping
-only the sequence shard of the input for backward) is not done here: the weight gradient
-reaches ``main_grad`` through the data-parallel wrapper's hook, and with sequence parallelism
-torchao keeps the gathered input.
-
-On a GPU the cast-and-matmul runs under ``torch.compile`` (torchao's float8 training is built
-for it: eagerly, each cast is several kernels of its own, and a step measured 2.3x slower than
-bf16 on an H200); one compiled function serves every layer of a recipe, specialised by the
-operands' shapes.
+autograd-aware mappings. Not done here, unlike the bf16 path: overlapping the input-gradient
+reduction with the weight gradient, and keeping only the sequence shard of the input for
+backward (with sequence parallelism the gathered input is kept, in float8 for tensorwise).
 
 torchao is optional, as Transformer Engine is: asking for FP8 without it is a one-line error.
 On a GPU the float8 matmuls need compute capability 8.9 or later (Ada, Hopper); on a CPU
-torchao emulates them (tests).
+they run emulated or through the CPU's ``torch._scaled_mm`` (tests).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron.core.tensor_parallel import fp8_tensorwise
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -120,19 +120,27 @@ def _torchao_configs(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool):
 
 def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                recipe: Fp8Recipe, *, sequence_parallel: bool, allreduce_dgrad: bool,
-               group: Any) -> torch.Tensor:
+               group: Any, gradient_accumulation_fusion: bool = False) -> torch.Tensor:
     """``input_ @ weight.T + bias`` in FP8 with the layer's tensor-parallel communication
     (``sequence_parallel``: all-gather the input's sequence shards first; ``allreduce_dgrad``:
-    sum the input gradient over ``group``)."""
+    sum the input gradient over the group; ``gradient_accumulation_fusion``: the tensorwise
+    weight gradient goes straight into ``weight.main_grad``, where there is one)."""
     if sequence_parallel:
         input_ = gather_from_sequence_parallel_region(input_, group=group)
     elif allreduce_dgrad:
         input_ = copy_to_tensor_model_parallel_region(input_, group=group)
-    # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is the
-    # token count, which variable sequence lengths may leave uneven: padded then (a copy).
-    tokens = input_.numel() // max(input_.shape[-1], 1)
     emulate = input_.device.type != "cuda"
-    output = _fp8_matmul(recipe, emulate, tokens % 16 != 0, compiled=not emulate)(input_, weight)
+    if recipe.scaling == "tensorwise" and fp8_tensorwise.supports(*weight.shape[::-1]):
+        fuse_wgrad = gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
+        grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+        output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
+            input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate)
+    else:
+        # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is
+        # the token count, which variable sequence lengths may leave uneven: padded then.
+        tokens = input_.numel() // max(input_.shape[-1], 1)
+        output = _fp8_matmul(recipe, emulate, tokens % 16 != 0, compiled=not emulate)(
+            input_, weight)
     return output if bias is None else output + bias
 
 

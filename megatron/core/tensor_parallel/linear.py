@@ -59,14 +59,17 @@ class _ParallelLinearBase(torch.nn.Module):
         self.fp8: Optional[Fp8Recipe] = None
 
     def _matmul(self, input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                *, allreduce_dgrad: bool, sequence_parallel: bool, **bf16_only) -> torch.Tensor:
+                *, allreduce_dgrad: bool, sequence_parallel: bool,
+                gradient_accumulation_fusion: bool, **bf16_only) -> torch.Tensor:
         """``input_ @ weight.T + bias`` with the layer's communication, in FP8 where set."""
         if self.fp8 is not None:
             return fp8_linear(input_, weight, bias, self.fp8, sequence_parallel=sequence_parallel,
-                              allreduce_dgrad=allreduce_dgrad, group=self.tp_group)
+                              allreduce_dgrad=allreduce_dgrad, group=self.tp_group,
+                              gradient_accumulation_fusion=gradient_accumulation_fusion)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_, weight, bias, allreduce_dgrad=allreduce_dgrad,
-            sequence_parallel=sequence_parallel, tp_group=self.tp_group, **bf16_only)
+            sequence_parallel=sequence_parallel, tp_group=self.tp_group,
+            gradient_accumulation_fusion=gradient_accumulation_fusion, **bf16_only)
 
     def _new_parameter(self, *shape: int) -> Parameter:
         return Parameter(

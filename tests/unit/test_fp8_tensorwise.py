@@ -1,0 +1,128 @@
+"""The tensorwise FP8 matmul (fp8_tensorwise): torchao's numbers with fewer passes, and the
+weight gradient written into ``main_grad`` (the GEMM writes it while it is zero this step, then
+adds to it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe, _fp8_matmul
+from megatron.core.tensor_parallel.fp8_tensorwise import Fp8TensorwiseMatmul
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def operands(tokens: int, seed: int = 0, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 2, 64, generator=gen).bfloat16()
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    grad = torch.randn(tokens, 2, 48, generator=gen).bfloat16()
+    return x.to(device), w.to(device), grad.to(device)
+
+
+def run(matmul, x, w, grad, main_grad=None):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    if main_grad is not None:
+        w.main_grad = main_grad
+        w.grad_added_to_main_grad = False
+    y = matmul(x, w)
+    y.backward(grad)
+    return y, x.grad, w
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("tokens", [8, 5], ids=["tokens-16", "tokens-10-padded"])
+def test_the_values_are_torchaos_tensorwise_ones(fmt, tokens):
+    x, w, grad = operands(tokens)
+    grad_dtype = E5M2 if fmt == "hybrid" else E4M3
+    ours = run(lambda a, b: Fp8TensorwiseMatmul.apply(a, b, grad_dtype, True, False, False),
+               x, w, grad)
+    torchao = run(_fp8_matmul(Fp8Recipe(fmt), True, (2 * tokens) % 16 != 0, False), x, w, grad)
+    for got, expected in ((ours[0], torchao[0]), (ours[1], torchao[1]),
+                          (ours[2].grad, torchao[2].grad)):
+        # The same float8 values and scales; the GEMMs' sums may round their bf16 result
+        # differently.
+        torch.testing.assert_close(got, expected, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["fp8-wgrad", "bf16-wgrad"])
+def test_the_weight_gradient_is_written_then_added_into_main_grad(wgrad_fp8):
+    x, w, grad = operands(8)
+    plain = run(lambda a, b: Fp8TensorwiseMatmul.apply(a, b, E5M2, wgrad_fp8, False, False),
+                x, w, grad)[2].grad.float()
+    # fp8: the GEMM writes main_grad while it counts as zero (NaN shows it is not read);
+    # bf16: the GEMM accumulates into it, as the bf16 path does.
+    main_grad = torch.full(w.shape, float("nan")) if wgrad_fp8 else torch.zeros(w.shape)
+    fused = lambda a, b: Fp8TensorwiseMatmul.apply(a, b, E5M2, wgrad_fp8, True, False)
+    _, _, weight = run(fused, x, w, grad, main_grad)
+    assert weight.grad_added_to_main_grad
+    torch.testing.assert_close(main_grad, plain, rtol=2 ** -7, atol=1e-4)
+    # A second microbatch adds its gradient.
+    y = fused(x.clone().requires_grad_(), weight)
+    y.backward(grad)
+    torch.testing.assert_close(main_grad, 2 * plain, rtol=2 ** -7, atol=1e-4)
+
+
+def test_a_weight_without_the_flag_has_its_gradient_added():
+    x, w, grad = operands(8)
+    plain = run(lambda a, b: Fp8TensorwiseMatmul.apply(a, b, E4M3, True, False, False),
+                x, w, grad)[2].grad.float()
+    weight = w.clone().requires_grad_()
+    weight.main_grad = torch.ones(w.shape)  # no data-parallel buffer said it was zero
+    Fp8TensorwiseMatmul.apply(x.clone().requires_grad_(), weight, E4M3, True, True,
+                              False).backward(grad)
+    torch.testing.assert_close(weight.main_grad, 1 + plain, rtol=2 ** -7, atol=1e-4)
+
+
+class Fp8Linear(torch.nn.Module):
+    """One linear computing through fp8_linear, wrapped as the trainer wraps models."""
+
+    def __init__(self, fuse: bool, device: str):
+        super().__init__()
+        from megatron.core import ModelParallelConfig
+
+        self.config = ModelParallelConfig(bf16=True)
+        self.fuse = fuse
+        self.weight = torch.nn.Parameter(operands(8, device=device)[1].clone())
+
+    def forward(self, x):
+        from megatron.core.tensor_parallel.fp8_linear import fp8_linear
+
+        return fp8_linear(x, self.weight, None, Fp8Recipe("hybrid"), sequence_parallel=False,
+                          allreduce_dgrad=False, group=None,
+                          gradient_accumulation_fusion=self.fuse)
+
+
+def check_fused_and_plain_gradients_agree(device: str, in_fp32: bool) -> None:
+    """Two steps of two microbatches through the data-parallel buffers: the buffer's hook adds
+    the plain path's bf16 gradients; the fused path writes the first microbatch's, adds the
+    second's, and writes again after zero_grad_buffer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    gradients = {}
+    for fuse in (False, True):
+        module = Fp8Linear(fuse, device)
+        model = DistributedDataParallel(
+            module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=in_fp32), module)
+        steps = []
+        for step in range(2):
+            model.zero_grad_buffer()
+            for microbatch in range(2):
+                x, _, grad = operands(8, seed=10 * step + microbatch, device=device)
+                model(x).backward(grad)
+            steps.append(module.weight.main_grad.clone())
+        gradients[fuse] = steps
+    for plain, fused in zip(gradients[False], gradients[True]):
+        assert plain.dtype == fused.dtype == (torch.float32 if in_fp32 else torch.bfloat16)
+        # The plain path rounds each microbatch's gradient to bf16 (the fused one not the
+        # first's, in fp32): a difference of a bf16 step of a gradient, where the sum of two
+        # may be small.
+        step = 2 ** -8 * plain.abs().max().item()
+        torch.testing.assert_close(fused.float(), plain.float(), rtol=0, atol=step)
+
+
+@pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-buffer", "bf16-buffer"])
+def test_through_the_data_parallel_buffers_fused_and_plain_gradients_agree(in_fp32):
+    check_fused_and_plain_gradients_agree("cpu", in_fp32)
