@@ -31,10 +31,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.weight_grad import accumulate_weight_grad
 
-# The GEMMs take the first operand row-major and the second column-major: the casts return
-# contiguous tensors, whose transposes are the column-major ones.
-# torchao's floor under an amax (an all-zero tensor keeps a finite scale).
-_AMAX_FLOOR = 1e-12
+_AMAX_FLOOR = 1e-12  # torchao's floor under an amax (an all-zero tensor keeps a finite scale)
 _GEMM_MULTIPLE = 16  # float8 GEMMs take dimensions in multiples of 16
 
 
@@ -54,32 +51,56 @@ def _to_float8(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (tensor.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, rows: int):
-    """``tensor`` (2-D) in float8: row-major, and transposed with its rows padded with zeros
-    to ``rows`` (the weight gradient's inner dimension); and the inverse scale."""
-    scale = _scale(tensor, dtype)
-    padded = F.pad(tensor, (0, 0, 0, rows - tensor.shape[0])) if rows > tensor.shape[0] \
-        else tensor
-    transposed = _to_float8(padded.t(), scale, dtype).contiguous()
-    return _to_float8(tensor, scale, dtype).contiguous(), transposed, scale.reciprocal()
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype):
-    """``tensor`` in float8, its scale and inverse scale."""
-    scale = _scale(tensor, dtype)
-    return _to_float8(tensor, scale, dtype).contiguous(), scale, scale.reciprocal()
-
-
-def _cast_transposed(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """``tensor.T`` (2-D) in float8 with a known scale."""
+def _transposed(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int):
+    """``tensor.T`` (2-D) in float8, its columns padded with zeros to ``rows`` (the weight
+    gradient's inner dimension, the token count, in multiples of 16)."""
+    if rows > tensor.shape[0]:
+        tensor = F.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
     return _to_float8(tensor.t(), scale, dtype).contiguous()
 
 
+# torch._scaled_mm takes its first operand row-major and its second column-major: the float8
+# operands are made contiguous, and each second operand is the transpose of one.
+
+
+def _forward(input_, weight, rows: int, wgrad_fp8: bool):
+    """Cast both operands and multiply: the output, the transposed float8 input for the weight
+    gradient (with ``wgrad_fp8``), the input's inverse scale and the weight's scale."""
+    e4m3 = torch.float8_e4m3fn
+    weight_scale, input_scale = _scale(weight, e4m3), _scale(input_, e4m3)
+    input_inverse = input_scale.reciprocal()
+    output = torch._scaled_mm(_to_float8(input_, input_scale, e4m3).contiguous(),
+                              _to_float8(weight, weight_scale, e4m3).contiguous().t(),
+                              input_inverse, weight_scale.reciprocal(),
+                              out_dtype=input_.dtype, use_fast_accum=True)
+    input8_t = _transposed(input_, input_scale, e4m3, rows) if wgrad_fp8 else None
+    return output, input8_t, input_inverse, weight_scale
+
+
+def _backward(grad, weight, weight_scale, grad_dtype: torch.dtype, rows: int, wgrad_fp8: bool,
+              needs_input_grad: bool):
+    """Cast the output gradient (row-major for the input gradient, transposed for the weight
+    gradient's float8 GEMM) and compute the input gradient: it, the transposed float8 output
+    gradient and its inverse scale."""
+    grad_scale = _scale(grad, grad_dtype)
+    grad_inverse = grad_scale.reciprocal()
+    grad_input = None
+    if needs_input_grad:
+        weight8_t = _transposed(weight, weight_scale, torch.float8_e4m3fn, weight.shape[0])
+        grad_input = torch._scaled_mm(_to_float8(grad, grad_scale, grad_dtype).contiguous(),
+                                      weight8_t.t(), grad_inverse, weight_scale.reciprocal(),
+                                      out_dtype=grad.dtype)
+    grad8_t = _transposed(grad, grad_scale, grad_dtype, rows) if wgrad_fp8 else None
+    return grad_input, grad8_t, grad_inverse
+
+
 @functools.lru_cache(maxsize=None)
-def _casts(compiled: bool):
-    """The three cast functions, compiled on a GPU (eagerly each is several kernels)."""
-    functions = (_cast_both_layouts, _cast, _cast_transposed)
-    return tuple(torch.compile(f) for f in functions) if compiled else functions
+def _steps(compiled: bool):
+    """The forward and backward casts-and-GEMMs, each one compiled call on a GPU (eagerly each
+    cast is several kernels, and one call per direction keeps the host work per linear at
+    torchao's)."""
+    return (torch.compile(_forward), torch.compile(_backward)) if compiled \
+        else (_forward, _backward)
 
 
 def _padded(count: int) -> int:
@@ -92,54 +113,39 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled):
-        cast_both, cast, _ = _casts(compiled)
-        e4m3 = torch.float8_e4m3fn
         flat = input_.reshape(-1, input_.shape[-1])
-        tokens = flat.shape[0]
-        weight8, weight_scale, weight_inverse = cast(weight, e4m3)
-        if wgrad_fp8:
-            input8, input8_t, input_inverse = cast_both(flat, e4m3, _padded(tokens))
-            saved_input = input8_t
-        else:
-            input8, _, input_inverse = cast(flat, e4m3)
-            saved_input = input_
-        output = torch._scaled_mm(input8, weight8.t(), input_inverse, weight_inverse,
-                                  out_dtype=input_.dtype, use_fast_accum=True)
-        ctx.save_for_backward(saved_input, input_inverse, weight, weight_scale, weight_inverse)
+        output, input8_t, input_inverse, weight_scale = _steps(compiled)[0](
+            flat, weight, _padded(flat.shape[0]), wgrad_fp8)
+        ctx.save_for_backward(input8_t if wgrad_fp8 else input_, input_inverse, weight,
+                              weight_scale)
         ctx.grad_dtype, ctx.wgrad_fp8, ctx.fuse_wgrad = grad_dtype, wgrad_fp8, fuse_wgrad
         ctx.compiled, ctx.input_shape = compiled, input_.shape
         return output.reshape(*input_.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_input, input_inverse, weight, weight_scale, weight_inverse = ctx.saved_tensors
-        cast_both, cast, cast_transposed = _casts(ctx.compiled)
+        saved_input, input_inverse, weight, weight_scale = ctx.saved_tensors
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        tokens = flat_grad.shape[0]
-        if needs_weight_grad and ctx.wgrad_fp8:
-            grad8, grad8_t, grad_inverse = cast_both(flat_grad, ctx.grad_dtype, _padded(tokens))
-        else:
-            grad8, _, grad_inverse = cast(flat_grad, ctx.grad_dtype)
-
-        grad_input = None
-        if needs_input_grad:
-            weight8_t = cast_transposed(weight, weight_scale, torch.float8_e4m3fn)
-            grad_input = torch._scaled_mm(grad8, weight8_t.t(), grad_inverse, weight_inverse,
-                                          out_dtype=grad_output.dtype).reshape(ctx.input_shape)
+        wgrad_fp8 = needs_weight_grad and ctx.wgrad_fp8
+        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled)[1](
+            flat_grad, weight, weight_scale, ctx.grad_dtype, _padded(flat_grad.shape[0]),
+            wgrad_fp8, needs_input_grad)
+        if grad_input is not None:
+            grad_input = grad_input.reshape(ctx.input_shape)
 
         grad_weight = None
-        if needs_weight_grad:
-            if ctx.wgrad_fp8:
-                grad_weight = _fp8_weight_grad(weight, grad8_t, grad_inverse, saved_input,
-                                               input_inverse, ctx.fuse_wgrad)
-            elif ctx.fuse_wgrad:
-                flat_input = saved_input.reshape(-1, saved_input.shape[-1])
+        if wgrad_fp8:
+            grad_weight = _fp8_weight_grad(weight, grad8_t, grad_inverse, saved_input,
+                                           input_inverse, ctx.fuse_wgrad)
+        elif needs_weight_grad:
+            flat_input = saved_input.reshape(-1, saved_input.shape[-1])
+            if ctx.fuse_wgrad:
                 accumulate_weight_grad(weight.main_grad, flat_grad, flat_input)
                 weight.grad_added_to_main_grad = True
                 grad_weight = torch.empty_like(weight)
             else:
-                grad_weight = flat_grad.t().matmul(saved_input.reshape(-1, weight.shape[1]))
+                grad_weight = flat_grad.t().matmul(flat_input)
         return grad_input, grad_weight, None, None, None, None
 
 
