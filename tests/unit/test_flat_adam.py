@@ -62,6 +62,28 @@ def test_flat_adam_steps_exactly_like_the_default(dtype, distributed):
         assert torch.equal(value, flat_value)
 
 
+def test_with_the_kernel_the_clip_is_the_kernels_division(monkeypatch):
+    """Where the Triton kernel steps, clipping hands it the factor (its grad_scale) instead of
+    a pass over the gradients; here the torch arithmetic stands in for the kernel."""
+    from megatron.core.optimizer.flat_adam import FlatAdamW
+
+    (model, optimizer), (divided_model, divided) = build(True), build(True)
+    batch = batches(2, torch.bfloat16, seed=0)
+    norm = train_step(model, optimizer, batch)[1]
+    monkeypatch.setattr(FlatAdamW, "runs_kernel", property(lambda self: True))
+    handed = []
+    step = FlatAdamW.step
+    monkeypatch.setattr(FlatAdamW, "step", lambda self, scale=None: (handed.append(scale),
+                                                                     step(self, scale)))
+    divided_norm = train_step(divided_model, divided, batch)[1]
+    assert divided_norm == norm and norm > 0.1  # clip_grad 0.1: the factor is in play
+    assert handed[0].item() == pytest.approx(norm / 0.1, rel=1e-5)
+    assert divided.optimizer.grad_scale is None  # forgotten after the step
+    assert max_diff(model, divided_model) < 1e-2  # bf16 weights: one rounding apart at most
+    for main, divided_main in zip(optimizer.get_parameters(), divided.get_parameters()):
+        torch.testing.assert_close(divided_main, main, rtol=1e-5, atol=1e-7)
+
+
 def test_main_parameters_and_moments_live_in_the_flat_regions():
     model, optimizer = build(True)
     train_step(model, optimizer, batches(1, torch.bfloat16))

@@ -309,6 +309,11 @@ class FlatAdamW:
                 group["lr"], group["weight_decay"], beta1, beta2, group["eps"])))
         return rows
 
+    @property
+    def runs_kernel(self) -> bool:
+        """Whether step() runs the Triton kernel (CUDA) rather than torch operations."""
+        return self._kernel is not None
+
     @torch.no_grad()
     def step(self, grad_scale: torch.Tensor | None = None) -> None:
         """One AdamW step of every main parameter, written to the model weights as well."""

@@ -430,6 +430,18 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self._clip_to_total_norm(clip_grad, grad_norm)
         return grad_norm
 
+    def _clip_in_step(self, clip_grad: float) -> float:
+        # The flat Adam's kernel divides the gradients by grad_scale: no pass over them here.
+        # (Its torch fallback keeps the in-place clip: the default optimizer's arithmetic.)
+        if self.flat_adam is None or not self.flat_adam.runs_kernel:
+            return super()._clip_in_step(clip_grad)
+        grad_norm = self.get_grad_norm()
+        coefficient = clip_grad / (grad_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
+        if coefficient < 1.0 and self._flat_grads():
+            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient,
+                                                   device=self.found_inf.device)
+        return grad_norm
+
     def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
         if self.flat_adam is None:
             super()._clip_to_total_norm(clip_grad, total_norm)
