@@ -1,0 +1,37 @@
+"""``--fp8-format`` over NCCL, several ranks on one GPU: the CUDA path (compiled casts,
+``torch._scaled_mm``, the weight gradient written into ``main_grad``) composed with tensor and
+sequence parallelism, the interleaved pipeline and recompute, and with data parallelism and the
+distributed optimizer (whose buffers are reduce-scattered), trains like bf16 with the same
+flags: the gloo comparison of ``tests/distributed/test_fp8.py``, on the GPU.
+"""
+
+import pytest
+
+from tests.distributed.test_fp8 import FP8_TOLERANCE
+from tests.distributed.test_trainer import PP2_VPP2
+from tests.gpu.nccl_support import BACKEND, needs
+from tests.gpu.test_nccl_trainer import ITERATIONS, nccl_gpt, train
+
+pytestmark = needs(BACKEND)
+
+LAYOUTS = {
+    "tp2-pp2-vpp2-sequence-parallel-recompute": (
+        4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PP2_VPP2,
+            "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]),
+    "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_trains_like_bf16_over_nccl(layout, data, tmp_path):
+    nproc, flags = LAYOUTS[layout]
+    bf16 = train(nproc, nccl_gpt(data, "--bf16", *flags), tmp_path / "bf16")
+    fp8 = train(nproc, nccl_gpt(data, "--bf16", *flags, "--fp8-format", "hybrid"),
+                tmp_path / "fp8")
+    worst = max(abs(fp8[i] - bf16[i]) / abs(bf16[i]) for i in bf16)
+    print(f"fp8 {layout} over {BACKEND}: largest relative loss difference to bf16 {worst:.2e}")
+    assert fp8 != bf16  # the layers did compute in float8
+    for iteration in bf16:
+        assert fp8[iteration] == pytest.approx(bf16[iteration], rel=FP8_TOLERANCE), iteration
+    assert bf16[ITERATIONS] < bf16[1] - 0.5
