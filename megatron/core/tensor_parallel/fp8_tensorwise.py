@@ -29,7 +29,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.weight_grad import accumulate_weight_grad
+from megatron.core.tensor_parallel.weight_grad import added_to_main_grad, \
+    weight_grad_for_autograd
 
 _AMAX_FLOOR = 1e-12  # torchao's floor under an amax (an all-zero tensor keeps a finite scale)
 _GEMM_MULTIPLE = 16  # float8 GEMMs take dimensions in multiples of 16
@@ -139,13 +140,9 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
             grad_weight = _fp8_weight_grad(weight, grad8_t, grad_inverse, saved_input,
                                            input_inverse, ctx.fuse_wgrad)
         elif needs_weight_grad:
-            flat_input = saved_input.reshape(-1, saved_input.shape[-1])
-            if ctx.fuse_wgrad:
-                accumulate_weight_grad(weight.main_grad, flat_grad, flat_input)
-                weight.grad_added_to_main_grad = True
-                grad_weight = torch.empty_like(weight)
-            else:
-                grad_weight = flat_grad.t().matmul(flat_input)
+            grad_weight = weight_grad_for_autograd(
+                weight, flat_grad, saved_input.reshape(-1, saved_input.shape[-1]),
+                ctx.fuse_wgrad)
         return grad_input, grad_weight, None, None, None, None
 
 
@@ -163,5 +160,4 @@ def _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t, input_inverse, fus
     else:  # still zero this step: the GEMM writes it
         torch._scaled_mm(grad8_t, input8_t.t(), grad_inverse, input_inverse,
                          out_dtype=main_grad.dtype, out=main_grad)
-        weight.grad_added_to_main_grad = True
-    return torch.empty_like(weight)
+    return added_to_main_grad(weight)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import collectives as coll
 from megatron.core.tensor_parallel.utils import resolve_tp_group
 from megatron.core.tensor_parallel.weight_grad import (
-    WeightGradDeferral, accumulate_weight_grad, add_weight_grad,
+    WeightGradDeferral, add_weight_grad, weight_grad_for_autograd,
 )
 
 # Backward runs under the forward's autocast settings, as for any CUDA-autocast-aware op.
@@ -86,15 +86,8 @@ class _TensorParallelLinear(torch.autograd.Function):
         elif deferral is not None:
             add_weight_grad(deferral.weight, flat_grad, total_input, deferral.fused)
         elif needs_weight_grad:
-            flat_input = total_input.reshape(-1, total_input.size(-1))
-            if ctx.fuse_wgrad:
-                accumulate_weight_grad(weight.main_grad, flat_grad, flat_input)
-                weight.grad_added_to_main_grad = True
-                # Uninitialised and never read: it only makes autograd run the weight's
-                # accumulate-grad hook (the data-parallel wrapper's), which sees the flag.
-                grad_weight = torch.empty_like(weight)
-            else:
-                grad_weight = flat_grad.t().matmul(flat_input)
+            grad_weight = weight_grad_for_autograd(
+                weight, flat_grad, total_input.reshape(-1, total_input.size(-1)), ctx.fuse_wgrad)
         grad_bias = flat_grad.sum(dim=0) if needs_bias_grad else None
 
         if reduction is not None:

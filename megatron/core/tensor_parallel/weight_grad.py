@@ -46,6 +46,24 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor,
     main_grad.add_(grad_output.t().matmul(input_))
 
 
+def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """After a weight gradient went into ``weight.main_grad`` itself: flag it and return what
+    autograd gets as the gradient, uninitialised and never read: it only makes autograd run the
+    weight's accumulate-grad hook (the data-parallel wrapper's), which sees the flag."""
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
+
+
+def weight_grad_for_autograd(weight: torch.Tensor, grad_output: torch.Tensor,
+                             input_: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``grad_output^T @ input_`` (2-D operands) as the gradient autograd hands ``weight``; with
+    ``fused``, accumulated into ``weight.main_grad`` instead (``added_to_main_grad``)."""
+    if not fused:
+        return grad_output.t().matmul(input_)
+    accumulate_weight_grad(weight.main_grad, grad_output, input_)
+    return added_to_main_grad(weight)
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1, tensor.size(-1))
 
