@@ -16,7 +16,9 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
   1 (fp32 master weights, gradients and Adam state, as the trainer keeps them);
 * ``trainer`` and ``trainer-distopt``: ``pretrain_gpt.py``'s own step (``megatron.training``'s
   loop, DDP gradient buffers, the bf16 optimizer with fp32 main parameters, clipping, the log
-  line with ``--log-throughput``), without and with ``--use-distributed-optimizer``;
+  line with ``--log-throughput``), without and with ``--use-distributed-optimizer``; one
+  micro-batch per step, or ``--microbatches`` (as a run with a larger global batch steps:
+  tokens/s then counts them all, and the optimizer's share of a step shrinks);
 * ``trainer-flat``: the trainer with ``--use-precision-aware-optimizer`` (Adam over the flat
   buffers, writing the bf16 weights in its kernel);
 * ``trainer-fp8`` / ``trainer-fp8-rowwise``: the trainer with ``--fp8-format hybrid``
@@ -113,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
     parser.add_argument("--profile", type=Path,
                         help="write a kernel-time table of one step of each run into this folder")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="micro-batches per step of the trainer rows (default 1; the "
+                             "other rows step after each)")
     parser.add_argument("--trainer-args", default="",
                         help="more pretrain_gpt.py flags for the trainer rows, e.g. "
                         "'--clip-grad 0'")
@@ -127,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "there, over gloo): checks that the rows run, measures nothing")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.microbatches < 1:
+        parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
     if args.quick:
         args.num_layers, args.hidden_size, args.num_attention_heads = 2, 64, 4
         args.seq_length, args.vocab_size, args.micro_batch_size = 64, 128, 2
@@ -282,13 +289,13 @@ def on_gpu() -> bool:
 
 def trainer_argv(args, flags: list[str]) -> list[str]:
     """pretrain_gpt.py's flags for the bench's shape: bf16 with fp32 main parameters and
-    gradients, gradient clipping, Adam, one micro-batch per step."""
+    gradients, gradient clipping, Adam, ``--microbatches`` micro-batches per step."""
     argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads),
             "--seq-length", str(args.seq_length),
             "--max-position-embeddings", str(args.seq_length),
             "--micro-batch-size", str(args.micro_batch_size),
-            "--global-batch-size", str(args.micro_batch_size),
+            "--global-batch-size", str(args.micro_batch_size * args.microbatches),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab_size - 1),
             "--position-embedding-type", "learned_absolute",
             "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
@@ -406,9 +413,13 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
     return {
         "parameters": sum(p.numel() for chunk in model for p in chunk.parameters()),
         "step_s": step_s, "step_s_min": step_s, "first_loss": losses[0], "last_loss": losses[-1],
-        "real_tokens_per_step": statistics.mean(sum(rows) for rows in lengths),
-        "real_flops_per_step": statistics.mean(step_flops(args, rows) for rows in lengths),
-        "padded_tokens_per_step": statistics.mean(batch["tokens"].numel() for batch in measured),
+        # Per microbatch, times the microbatches of a step.
+        "real_tokens_per_step": args.microbatches * statistics.mean(
+            sum(rows) for rows in lengths),
+        "real_flops_per_step": args.microbatches * statistics.mean(
+            step_flops(args, rows) for rows in lengths),
+        "padded_tokens_per_step": args.microbatches * statistics.mean(
+            batch["tokens"].numel() for batch in measured),
         "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
         "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
@@ -564,7 +575,8 @@ def main(argv=None) -> int:
     results = {}
     print(f"GPT step, one GPU: {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads, seq {args.seq_length}, micro-batch "
-          f"{args.micro_batch_size}, vocab {args.vocab_size}; bf16, fwd+bwd+fused AdamW; "
+          f"{args.micro_batch_size} ({args.microbatches} per trainer step), vocab "
+          f"{args.vocab_size}; bf16, fwd+bwd+fused AdamW; "
           f"{time.strftime('%Y-%m-%d')}; command: python bench/gpt_step.py {' '.join(argv)}",
           flush=True)
     for worker in workers:

@@ -94,10 +94,13 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
 
 def test_gpt_step_trainer_rows_run_on_the_cpu():
     """The trainer rows as pretrain_gpt.py trains (the H200 found them dying in the log line,
-    and the FP8 rows unable to import torchao): --quick runs them on the CPU over gloo."""
+    and the FP8 rows unable to import torchao): --quick runs them on the CPU over gloo, two
+    micro-batches per step."""
     pytest.importorskip("torchao.float8")
-    output = run_bench("gpt_step.py", "--impls", "trainer,trainer-flat-fp16-state,trainer-fp8")
+    output = run_bench("gpt_step.py", "--impls", "trainer,trainer-flat-fp16-state,trainer-fp8",
+                       "--microbatches", "2")
     assert "FAILED" not in output, output
+    assert "(2 per trainer step)" in output, output
     for row in ("trainer", "trainer-flat-fp16-state", "trainer-fp8"):
         assert re.search(rf"^{row}:eager +[\d.]+ ms/step", output, re.MULTILINE), output
     assert re.search(r"^trainer-fp8/trainer tokens/s = \d+\.\d{3} \(target >= 1\.10", output,

@@ -126,3 +126,96 @@ def check_fused_and_plain_gradients_agree(device: str, in_fp32: bool) -> None:
 @pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-buffer", "bf16-buffer"])
 def test_through_the_data_parallel_buffers_fused_and_plain_gradients_agree(in_fp32):
     check_fused_and_plain_gradients_agree("cpu", in_fp32)
+
+
+def counting_steps(monkeypatch) -> dict[str, int]:
+    """Count the calls of each of fp8_tensorwise's steps (run eagerly)."""
+    from megatron.core.tensor_parallel import fp8_tensorwise
+
+    calls = {"forward": 0, "forward_with": 0, "backward": 0}
+
+    def counted(name, step):
+        def call(*args):
+            calls[name] += 1
+            return step(*args)
+        return call
+
+    steps = (counted("forward", fp8_tensorwise._forward),
+             counted("forward_with", fp8_tensorwise._forward_with),
+             counted("backward", fp8_tensorwise._backward))
+    monkeypatch.setattr(fp8_tensorwise, "_steps", lambda compiled: steps)
+    return calls
+
+
+def microbatches(weight: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """Forward and backward of ``count`` microbatches; their input gradients."""
+    grads = []
+    for seed in range(count):
+        x, _, grad = operands(8, seed=seed)
+        x.requires_grad_()
+        Fp8TensorwiseMatmul.apply(x, weight, E5M2, True, False, False).backward(grad)
+        grads.append(x.grad)
+    return grads
+
+
+def test_within_weights_unchanged_a_weight_is_cast_once(monkeypatch):
+    from megatron.core.tensor_parallel.fp8_tensorwise import weights_unchanged
+
+    weight = operands(8)[1].requires_grad_()
+    expected = microbatches(weight, 3)
+    expected_wgrad = weight.grad.clone()
+    weight.grad = None
+    calls = counting_steps(monkeypatch)
+    with weights_unchanged():
+        got = microbatches(weight, 3)
+    assert calls == {"forward": 1, "forward_with": 2, "backward": 3}
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert torch.equal(weight.grad, expected_wgrad)
+
+
+def test_a_weight_changed_in_place_is_cast_again_and_none_is_kept_outside(monkeypatch):
+    from megatron.core.tensor_parallel.fp8_tensorwise import weights_unchanged
+
+    weight = operands(8)[1].requires_grad_()
+    calls = counting_steps(monkeypatch)
+    with weights_unchanged():
+        microbatches(weight, 1)
+        with torch.no_grad():
+            weight.mul_(2)
+        microbatches(weight, 1)
+    assert calls["forward"] == 2 and calls["forward_with"] == 0
+    microbatches(weight, 2)
+    assert calls["forward"] == 4 and calls["forward_with"] == 0
+
+
+def test_the_schedules_run_their_microbatches_with_weights_unchanged():
+    from megatron.core import ModelParallelConfig
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.tensor_parallel import fp8_tensorwise
+
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = ModelParallelConfig()
+            self.model_type = ModelType.encoder_or_decoder
+            self.weight = torch.nn.Parameter(torch.ones(2))
+
+        def set_input_tensor(self, tensor):
+            pass
+
+        def forward(self, x):
+            seen.append(fp8_tensorwise._CACHE is not None)
+            return (x * self.weight).sum()
+
+    def forward_step(data_iterator, model):
+        return model(next(data_iterator)), lambda output: (output, {"loss": output.detach()})
+
+    forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=iter([torch.ones(2)] * 3), model=Model(),
+        num_microbatches=3, seq_length=1, micro_batch_size=1, forward_only=False)
+    assert seen == [True] * 3
+    assert fp8_tensorwise._CACHE is None

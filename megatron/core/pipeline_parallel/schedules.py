@@ -10,7 +10,9 @@ Differences from upstream worth knowing:
   with variable sequence lengths (``seq_length`` is then the longest a microbatch may have);
 * ``overlap_p2p_comm`` also overlaps the 1F1B schedule;
 * every schedule accepts a keyword ``p2p_communicator`` to use an explicit pipeline group
-  instead of parallel_state's, and ``trace`` (a list) to record when each compute ran.
+  instead of parallel_state's, and ``trace`` (a list) to record when each compute ran;
+* a call's microbatches share each weight's float8 casts (tensorwise FP8: the weights do not
+  change within a call), where upstream passes Transformer Engine ``is_first_microbatch``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator
 from megatron.core.pipeline_parallel.plan_executor import PlanExecutor, ScheduleRun
 from megatron.core.pipeline_parallel.schedule_plan import (
     PlanSpec, ScheduleRequestError, build_plan, timetable)
+from megatron.core.tensor_parallel.fp8_tensorwise import weights_unchanged
 from megatron.core.utils import get_model_config, get_model_type
 
 # Upstream exposes the per-microbatch helpers from this module too.
@@ -127,7 +130,8 @@ def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, s
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         set_virtual_rank=_set_virtual_rank if len(model_chunks) > 1 else (lambda chunk: None),
         trace=trace)
-    result = PlanExecutor(run).execute()
+    with weights_unchanged():  # no weight changes between a call's microbatches
+        result = PlanExecutor(run).execute()
     if timers is not None:
         timers("forward-backward").stop()
     return result

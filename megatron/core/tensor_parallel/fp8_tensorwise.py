@@ -9,8 +9,10 @@ numerics as torchao's tensorwise recipe):
 
 * each operand's amax is reduced once; the input and the output gradient are cast once into
   both layouts the GEMMs need (row-major for one GEMM, transposed for the weight gradient's);
-* backward keeps the float8 transposed input (half the bytes of the bf16 one) and casts the
-  weight transposed with the forward's scale, without another amax;
+* the weight is cast once into both layouts (its transposed copy is the input gradient's
+  operand), and backward keeps the float8 transposed input (half the bytes of the bf16 one);
+* within ``weights_unchanged()`` (each call of a forward-backward schedule: the weights cannot
+  change between its microbatches) a weight's casts are made once and serve every microbatch;
 * with ``fuse_wgrad`` (the weight has ``main_grad``: the data-parallel buffers), the weight
   gradient's GEMM writes fp32 straight into ``main_grad`` while it is still zero this step
   (``grad_added_to_main_grad`` unset since ``zero_grad_buffer``), and is added into it
@@ -24,7 +26,10 @@ GEMM (accumulated in fp32 into ``main_grad`` with ``fuse_wgrad``) on the saved b
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -66,42 +71,86 @@ def _transposed(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, r
 
 def _forward(input_, weight, rows: int, wgrad_fp8: bool):
     """Cast both operands and multiply: the output, the transposed float8 input for the weight
-    gradient (with ``wgrad_fp8``), the input's inverse scale and the weight's scale."""
+    gradient (with ``wgrad_fp8``) and the input's inverse scale, then the weight's casts for
+    later use (``_WeightCasts``' fields)."""
     e4m3 = torch.float8_e4m3fn
-    weight_scale, input_scale = _scale(weight, e4m3), _scale(input_, e4m3)
-    input_inverse = input_scale.reciprocal()
-    output = torch._scaled_mm(_to_float8(input_, input_scale, e4m3).contiguous(),
-                              _to_float8(weight, weight_scale, e4m3).contiguous().t(),
-                              input_inverse, weight_scale.reciprocal(),
-                              out_dtype=input_.dtype, use_fast_accum=True)
-    input8_t = _transposed(input_, input_scale, e4m3, rows) if wgrad_fp8 else None
-    return output, input8_t, input_inverse, weight_scale
+    scale = _scale(weight, e4m3)
+    weight8 = _to_float8(weight, scale, e4m3).contiguous()
+    weight8_t = _transposed(weight, scale, e4m3, weight.shape[0])
+    inverse = scale.reciprocal()
+    return (*_forward_with(input_, weight8, inverse, rows, wgrad_fp8), weight8, weight8_t,
+            inverse)
 
 
-def _backward(grad, weight, weight_scale, grad_dtype: torch.dtype, rows: int, wgrad_fp8: bool,
-              needs_input_grad: bool):
+def _forward_with(input_, weight8, weight_inverse, rows: int, wgrad_fp8: bool):
+    """``_forward`` for a weight already cast."""
+    e4m3 = torch.float8_e4m3fn
+    scale = _scale(input_, e4m3)
+    inverse = scale.reciprocal()
+    output = torch._scaled_mm(_to_float8(input_, scale, e4m3).contiguous(), weight8.t(),
+                              inverse, weight_inverse, out_dtype=input_.dtype,
+                              use_fast_accum=True)
+    input8_t = _transposed(input_, scale, e4m3, rows) if wgrad_fp8 else None
+    return output, input8_t, inverse
+
+
+def _backward(grad, weight8_t, weight_inverse, grad_dtype: torch.dtype, rows: int,
+              wgrad_fp8: bool, needs_input_grad: bool):
     """Cast the output gradient (row-major for the input gradient, transposed for the weight
     gradient's float8 GEMM) and compute the input gradient: it, the transposed float8 output
     gradient and its inverse scale."""
-    grad_scale = _scale(grad, grad_dtype)
-    grad_inverse = grad_scale.reciprocal()
+    scale = _scale(grad, grad_dtype)
+    inverse = scale.reciprocal()
     grad_input = None
     if needs_input_grad:
-        weight8_t = _transposed(weight, weight_scale, torch.float8_e4m3fn, weight.shape[0])
-        grad_input = torch._scaled_mm(_to_float8(grad, grad_scale, grad_dtype).contiguous(),
-                                      weight8_t.t(), grad_inverse, weight_scale.reciprocal(),
+        grad_input = torch._scaled_mm(_to_float8(grad, scale, grad_dtype).contiguous(),
+                                      weight8_t.t(), inverse, weight_inverse,
                                       out_dtype=grad.dtype)
-    grad8_t = _transposed(grad, grad_scale, grad_dtype, rows) if wgrad_fp8 else None
-    return grad_input, grad8_t, grad_inverse
+    grad8_t = _transposed(grad, scale, grad_dtype, rows) if wgrad_fp8 else None
+    return grad_input, grad8_t, inverse
+
+
+@dataclasses.dataclass(frozen=True)
+class _WeightCasts:
+    weight: torch.Tensor  # the cast one, and its version then: a cache entry checks both
+    version: int
+    weight8: torch.Tensor
+    weight8_t: torch.Tensor
+    inverse: torch.Tensor
+
+
+_CACHE: Optional[dict[int, _WeightCasts]] = None
+
+
+@contextlib.contextmanager
+def weights_unchanged():
+    """Within, each weight's float8 casts are made once and reused: for a span in which no
+    weight changes, as one call of a forward-backward schedule (they enter it). A weight
+    changed in place meanwhile is cast again."""
+    global _CACHE
+    outer = _CACHE
+    if outer is None:
+        _CACHE = {}
+    try:
+        yield
+    finally:
+        _CACHE = outer
+
+
+def _cached(weight: torch.Tensor) -> Optional[_WeightCasts]:
+    entry = None if _CACHE is None else _CACHE.get(id(weight))
+    if entry is not None and entry.weight is weight and entry.version == weight._version:
+        return entry
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def _steps(compiled: bool):
-    """The forward and backward casts-and-GEMMs, each one compiled call on a GPU (eagerly each
-    cast is several kernels, and one call per direction keeps the host work per linear at
-    torchao's)."""
-    return (torch.compile(_forward), torch.compile(_backward)) if compiled \
-        else (_forward, _backward)
+    """``_forward``, ``_forward_with`` and ``_backward``, each one compiled call on a GPU
+    (eagerly each cast is several kernels, and one call per linear and direction keeps the host
+    work at torchao's)."""
+    steps = (_forward, _forward_with, _backward)
+    return tuple(torch.compile(step) for step in steps) if compiled else steps
 
 
 def _padded(count: int) -> int:
@@ -114,23 +163,33 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled):
+        forward, forward_with, _ = _steps(compiled)
         flat = input_.reshape(-1, input_.shape[-1])
-        output, input8_t, input_inverse, weight_scale = _steps(compiled)[0](
-            flat, weight, _padded(flat.shape[0]), wgrad_fp8)
+        rows = _padded(flat.shape[0])
+        casts = _cached(weight)
+        if casts is not None:
+            output, input8_t, input_inverse = forward_with(flat, casts.weight8, casts.inverse,
+                                                           rows, wgrad_fp8)
+        else:
+            output, input8_t, input_inverse, *weight_casts = forward(flat, weight, rows,
+                                                                     wgrad_fp8)
+            casts = _WeightCasts(weight, weight._version, *weight_casts)
+            if _CACHE is not None:
+                _CACHE[id(weight)] = casts
         ctx.save_for_backward(input8_t if wgrad_fp8 else input_, input_inverse, weight,
-                              weight_scale)
+                              casts.weight8_t, casts.inverse)
         ctx.grad_dtype, ctx.wgrad_fp8, ctx.fuse_wgrad = grad_dtype, wgrad_fp8, fuse_wgrad
         ctx.compiled, ctx.input_shape = compiled, input_.shape
         return output.reshape(*input_.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved_input, input_inverse, weight, weight_scale = ctx.saved_tensors
+        saved_input, input_inverse, weight, weight8_t, weight_inverse = ctx.saved_tensors
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         wgrad_fp8 = needs_weight_grad and ctx.wgrad_fp8
-        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled)[1](
-            flat_grad, weight, weight_scale, ctx.grad_dtype, _padded(flat_grad.shape[0]),
+        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled)[2](
+            flat_grad, weight8_t, weight_inverse, ctx.grad_dtype, _padded(flat_grad.shape[0]),
             wgrad_fp8, needs_input_grad)
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.input_shape)
