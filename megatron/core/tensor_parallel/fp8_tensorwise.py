@@ -12,7 +12,8 @@ numerics as torchao's tensorwise recipe):
 * the weight is cast once into both layouts (its transposed copy is the input gradient's
   operand), and backward keeps the float8 transposed input (half the bytes of the bf16 one);
 * within ``weights_unchanged()`` (each call of a forward-backward schedule: the weights cannot
-  change between its microbatches) a weight's casts are made once and serve every microbatch;
+  change between its microbatches) a weight's casts are made once and serve every microbatch,
+  holding 2 bytes per weight element until the call ends;
 * with ``fuse_wgrad`` (the weight has ``main_grad``: the data-parallel buffers), the weight
   gradient's GEMM writes fp32 straight into ``main_grad`` while it is still zero this step
   (``grad_added_to_main_grad`` unset since ``zero_grad_buffer``), and is added into it
