@@ -135,3 +135,17 @@ def test_without_torchao_fp8_is_a_one_line_error(monkeypatch):
     with pytest.raises(Fp8Unavailable, match=r"needs torchao's float8 training \(pip install "
                                              r"torchao\)"):
         require_torchao()
+
+
+def test_a_gpu_without_float8_matmuls_or_triton_is_a_one_line_error(monkeypatch):
+    from megatron.core.tensor_parallel.fp8_linear import check_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(Fp8Unavailable, match=r"compute capability 8\.9 or later .* a GPU has "
+                                             r"8\.0"):
+        check_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: False)
+    with pytest.raises(Fp8Unavailable, match=r"need Triton \(pip install triton\)"):
+        check_device(torch.device("cuda", 0))

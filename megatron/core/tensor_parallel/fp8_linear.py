@@ -77,7 +77,8 @@ def require_torchao():
 
 
 def check_device(device: torch.device) -> None:
-    """Refuse a GPU whose tensor cores have no float8 matmul."""
+    """Refuse a GPU whose tensor cores have no float8 matmul, or one torch.compile cannot
+    generate the casts' kernels for (no Triton)."""
     if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
@@ -85,6 +86,11 @@ def check_device(device: torch.device) -> None:
         raise Fp8Unavailable(
             f"FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, Hopper); "
             f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        raise Fp8Unavailable("FP8 on a GPU casts through torch.compile, whose kernels need "
+                             "Triton (pip install triton)")
 
 
 def _torchao_configs(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool):
