@@ -20,8 +20,9 @@ numerics as torchao's tensorwise recipe):
   afterwards; autograd gets an unread gradient that only fires the buffer's hook, as the bf16
   path's fused accumulation does.
 
-On a GPU the casts run under torch.compile (one reduction and one cast kernel per operand);
-the GEMMs are ``torch._scaled_mm``. Without ``recipe.wgrad`` the weight gradient is a bf16
+On a GPU the casts and the GEMMs (``torch._scaled_mm``) of each direction run as one
+torch.compile'd call, whose kernels fuse each operand's scaling and casts; the weight
+gradient's GEMM runs outside, for its ``out=main_grad``. Without ``recipe.wgrad`` the weight gradient is a bf16
 GEMM (accumulated in fp32 into ``main_grad`` with ``fuse_wgrad``) on the saved bf16 input.
 """
 
