@@ -132,7 +132,8 @@ def counting_steps(monkeypatch) -> dict[str, int]:
     """Count the calls of each of fp8_tensorwise's steps (run eagerly)."""
     from megatron.core.tensor_parallel import fp8_tensorwise
 
-    calls = {"forward": 0, "forward_with": 0, "backward": 0}
+    eager = fp8_tensorwise._steps(False)
+    calls = dict.fromkeys(eager._fields, 0)
 
     def counted(name, step):
         def call(*args):
@@ -140,9 +141,8 @@ def counting_steps(monkeypatch) -> dict[str, int]:
             return step(*args)
         return call
 
-    steps = (counted("forward", fp8_tensorwise._forward),
-             counted("forward_with", fp8_tensorwise._forward_with),
-             counted("backward", fp8_tensorwise._backward))
+    steps = fp8_tensorwise._Steps(*(counted(name, step)
+                                    for name, step in zip(eager._fields, eager)))
     monkeypatch.setattr(fp8_tensorwise, "_steps", lambda compiled: steps)
     return calls
 
@@ -168,7 +168,8 @@ def test_within_weights_unchanged_a_weight_is_cast_once(monkeypatch):
     calls = counting_steps(monkeypatch)
     with weights_unchanged():
         got = microbatches(weight, 3)
-    assert calls == {"forward": 1, "forward_with": 2, "backward": 3}
+    assert calls == {"forward": 1, "forward_with": 2, "backward": 3, "cast_weight": 0,
+                     "cast_shard": 0}
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     assert torch.equal(weight.grad, expected_wgrad)

@@ -17,9 +17,10 @@ H200); one compiled function serves every layer of a recipe, specialised by shap
 
 The layer's communication is composed around the matmul (an autograd function): the
 sequence-parallel all-gather / reduce-scatter, or the input-gradient all-reduce, as the
-autograd-aware mappings. Not done here, unlike the bf16 path: overlapping the input-gradient
-reduction with the weight gradient, and keeping only the sequence shard of the input for
-backward (with sequence parallelism the gathered input is kept, in float8 for tensorwise).
+autograd-aware mappings; tensorwise with sequence parallelism gathers the input in float8
+and keeps only its shard for backward, as the bf16 path keeps its shard. Not done here,
+unlike the bf16 path, outside that case: overlapping the input-gradient reduction with the
+weight gradient.
 
 torchao is optional, as Transformer Engine is: asking for FP8 without it is a one-line error.
 On a GPU the float8 matmuls need compute capability 8.9 or later (Ada, Hopper); on a CPU
@@ -39,6 +40,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from megatron.core.tensor_parallel.utils import resolve_tp_group
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_SCALINGS = ("tensorwise", "rowwise")
@@ -131,14 +133,19 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     (``sequence_parallel``: all-gather the input's sequence shards first; ``allreduce_dgrad``:
     sum the input gradient over the group; ``gradient_accumulation_fusion``: the tensorwise
     weight gradient goes straight into ``weight.main_grad``, where there is one)."""
+    emulate = input_.device.type != "cuda"
+    tensorwise = recipe.scaling == "tensorwise" and fp8_tensorwise.supports(*weight.shape[::-1])
+    fuse_wgrad = gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
+    grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+    if sequence_parallel and tensorwise and recipe.wgrad:  # gathered in float8
+        output = fp8_tensorwise.Fp8SequenceParallelMatmul.apply(
+            input_, weight, grad_dtype, fuse_wgrad, not emulate, resolve_tp_group(group))
+        return output if bias is None else output + bias
     if sequence_parallel:
         input_ = gather_from_sequence_parallel_region(input_, group=group)
     elif allreduce_dgrad:
         input_ = copy_to_tensor_model_parallel_region(input_, group=group)
-    emulate = input_.device.type != "cuda"
-    if recipe.scaling == "tensorwise" and fp8_tensorwise.supports(*weight.shape[::-1]):
-        fuse_wgrad = gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
-        grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+    if tensorwise:
         output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
             input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate)
     else:

@@ -31,11 +31,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.collectives import all_gather_first_dim, all_reduce, \
+    reduce_scatter_first_dim
 from megatron.core.tensor_parallel.weight_grad import added_to_main_grad, \
     weight_grad_for_autograd
 
@@ -50,8 +53,11 @@ def supports(inner: int, outer: int) -> bool:
 
 
 def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    amax = tensor.abs().amax().float().clamp(min=_AMAX_FLOOR)
-    return torch.finfo(dtype).max / amax
+    return _scale_of(tensor.abs().amax(), dtype)
+
+
+def _scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.finfo(dtype).max / amax.float().clamp(min=_AMAX_FLOOR)
 
 
 def _to_float8(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -71,15 +77,19 @@ def _transposed(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, r
 # operands are made contiguous, and each second operand is the transpose of one.
 
 
-def _forward(input_, weight, rows: int, wgrad_fp8: bool):
-    """Cast both operands and multiply: the output, the transposed float8 input for the weight
-    gradient (with ``wgrad_fp8``) and the input's inverse scale, then the weight's casts for
-    later use (``_WeightCasts``' fields)."""
+def _cast_weight(weight):
+    """The weight in e4m3, row-major and transposed, and its inverse scale (``_WeightCasts``'
+    fields)."""
     e4m3 = torch.float8_e4m3fn
     scale = _scale(weight, e4m3)
-    weight8 = _to_float8(weight, scale, e4m3).contiguous()
-    weight8_t = _transposed(weight, scale, e4m3, weight.shape[0])
-    inverse = scale.reciprocal()
+    return (_to_float8(weight, scale, e4m3).contiguous(),
+            _transposed(weight, scale, e4m3, weight.shape[0]), scale.reciprocal())
+
+
+def _forward(input_, weight, rows: int, wgrad_fp8: bool):
+    """Cast both operands and multiply: the output, the transposed float8 input for the weight
+    gradient (with ``wgrad_fp8``) and the input's inverse scale, then the weight's casts."""
+    weight8, weight8_t, inverse = _cast_weight(weight)
     return (*_forward_with(input_, weight8, inverse, rows, wgrad_fp8), weight8, weight8_t,
             inverse)
 
@@ -146,13 +156,52 @@ def _cached(weight: torch.Tensor) -> Optional[_WeightCasts]:
     return None
 
 
+def _cast_shard(shard, amax, dtype: torch.dtype):
+    """A sequence shard in float8 with the scale of the whole gathered input (``amax`` reduced
+    over the group), and the inverse scale."""
+    scale = _scale_of(amax, dtype)
+    return _to_float8(shard, scale, dtype).contiguous(), scale.reciprocal()
+
+
+class _Steps(NamedTuple):
+    forward: Callable
+    forward_with: Callable
+    backward: Callable
+    cast_weight: Callable
+    cast_shard: Callable
+
+
 @functools.lru_cache(maxsize=None)
-def _steps(compiled: bool):
-    """``_forward``, ``_forward_with`` and ``_backward``, each one compiled call on a GPU
-    (eagerly each cast is several kernels, and one call per linear and direction keeps the host
-    work at torchao's)."""
-    steps = (_forward, _forward_with, _backward)
-    return tuple(torch.compile(step) for step in steps) if compiled else steps
+def _steps(compiled: bool) -> _Steps:
+    """The steps, each one compiled call on a GPU (eagerly each cast is several kernels, and
+    one call per linear and direction keeps the host work at torchao's)."""
+    steps = _Steps(_forward, _forward_with, _backward, _cast_weight, _cast_shard)
+    return _Steps(*(torch.compile(step) for step in steps)) if compiled else steps
+
+
+def _keep(weight: torch.Tensor, fields) -> _WeightCasts:
+    """The weight's casts as an entry, kept within ``weights_unchanged()``."""
+    casts = _WeightCasts(weight, weight._version, *fields)
+    if _CACHE is not None:
+        _CACHE[id(weight)] = casts
+    return casts
+
+
+def _transposed_bits(tensor8: torch.Tensor, rows: int) -> torch.Tensor:
+    """A 2-D float8 tensor transposed, its columns padded with zeros to ``rows`` (float8 zero
+    is all bits clear; copied as bytes)."""
+    bits = tensor8.view(torch.uint8)
+    out = bits.new_zeros(bits.shape[1], rows)
+    out[:, :bits.shape[0]] = bits.t()
+    return out.view(tensor8.dtype)
+
+
+def _gather_float8(shard8: torch.Tensor, group, async_op: bool = False):
+    """All-gather a float8 sequence shard along dimension 0, as bytes."""
+    gathered = all_gather_first_dim(shard8.view(torch.uint8), group, async_op=async_op)
+    if async_op:
+        return gathered[0].view(shard8.dtype), gathered[1]
+    return gathered.view(shard8.dtype)
 
 
 def _padded(count: int) -> int:
@@ -165,19 +214,17 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled):
-        forward, forward_with, _ = _steps(compiled)
+        steps = _steps(compiled)
         flat = input_.reshape(-1, input_.shape[-1])
         rows = _padded(flat.shape[0])
         casts = _cached(weight)
         if casts is not None:
-            output, input8_t, input_inverse = forward_with(flat, casts.weight8, casts.inverse,
-                                                           rows, wgrad_fp8)
-        else:
-            output, input8_t, input_inverse, *weight_casts = forward(flat, weight, rows,
-                                                                     wgrad_fp8)
-            casts = _WeightCasts(weight, weight._version, *weight_casts)
-            if _CACHE is not None:
-                _CACHE[id(weight)] = casts
+            output, input8_t, input_inverse = steps.forward_with(
+                flat, casts.weight8, casts.inverse, rows, wgrad_fp8)
+        else:  # the weight's casts in the same call
+            output, input8_t, input_inverse, *weight_casts = steps.forward(flat, weight, rows,
+                                                                           wgrad_fp8)
+            casts = _keep(weight, weight_casts)
         ctx.save_for_backward(input8_t if wgrad_fp8 else input_, input_inverse, weight,
                               casts.weight8_t, casts.inverse)
         ctx.grad_dtype, ctx.wgrad_fp8, ctx.fuse_wgrad = grad_dtype, wgrad_fp8, fuse_wgrad
@@ -190,7 +237,7 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         wgrad_fp8 = needs_weight_grad and ctx.wgrad_fp8
-        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled)[2](
+        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled).backward(
             flat_grad, weight8_t, weight_inverse, ctx.grad_dtype, _padded(flat_grad.shape[0]),
             wgrad_fp8, needs_input_grad)
         if grad_input is not None:
@@ -204,6 +251,59 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
             grad_weight = weight_grad_for_autograd(
                 weight, flat_grad, saved_input.reshape(-1, saved_input.shape[-1]),
                 ctx.fuse_wgrad)
+        return grad_input, grad_weight, None, None, None, None
+
+
+class Fp8SequenceParallelMatmul(torch.autograd.Function):
+    """``all_gather(shard) @ weight.T`` for a sequence-parallel input shard ``[s/tp, b, k]``
+    (the column-parallel linears), FP8 weight gradient included: the shard is cast with the
+    scale of the whole gathered input (its amax reduced over ``group``: the same float8 values
+    as casting after a bf16 gather) and gathered in float8, half the bytes; backward keeps the
+    float8 shard and gathers it again for the weight gradient, as the bf16 path keeps its
+    shard, and reduce-scatters the input gradient back to the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, weight, grad_dtype, fuse_wgrad, compiled, group):
+        steps = _steps(compiled)
+        casts = _cached(weight) or _keep(weight, steps.cast_weight(weight))
+        amax = all_reduce(torch.linalg.vector_norm(shard, float("inf")).float(), group,
+                          op=dist.ReduceOp.MAX)
+        shard8, input_inverse = steps.cast_shard(shard, amax, torch.float8_e4m3fn)
+        full8 = _gather_float8(shard8, group)
+        flat8 = full8.reshape(-1, full8.shape[-1])
+        output = torch._scaled_mm(flat8, casts.weight8.t(), input_inverse, casts.inverse,
+                                  out_dtype=shard.dtype, use_fast_accum=True)
+        ctx.save_for_backward(shard8, input_inverse, weight, casts.weight8_t, casts.inverse)
+        ctx.grad_dtype, ctx.fuse_wgrad, ctx.compiled, ctx.group = (grad_dtype, fuse_wgrad,
+                                                                   compiled, group)
+        return output.reshape(*full8.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        shard8, input_inverse, weight, weight8_t, weight_inverse = ctx.saved_tensors
+        needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+        group = ctx.group
+        # Gather the input again while the input gradient is computed.
+        full8, gather = _gather_float8(shard8, group, async_op=True) if needs_weight_grad \
+            else (None, None)
+        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+        rows = _padded(flat_grad.shape[0])
+        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled).backward(
+            flat_grad, weight8_t, weight_inverse, ctx.grad_dtype, rows, needs_weight_grad,
+            needs_input_grad)
+        reduction = None
+        if grad_input is not None:  # back to the shard, while the weight gradient runs
+            grad_input, reduction = reduce_scatter_first_dim(
+                grad_input.reshape(*grad_output.shape[:-1], -1), group, async_op=True)
+        grad_weight = None
+        if needs_weight_grad:
+            if gather is not None:
+                gather.wait()
+            input8_t = _transposed_bits(full8.reshape(-1, full8.shape[-1]), rows)
+            grad_weight = _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t,
+                                           input_inverse, ctx.fuse_wgrad)
+        if reduction is not None:
+            reduction.wait()
         return grad_input, grad_weight, None, None, None, None
 
 
