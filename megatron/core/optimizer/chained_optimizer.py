@@ -110,6 +110,10 @@ class ChainedOptimizer(MegatronOptimizer):
         for member in self.chained_optimizers:
             member._clip_to_total_norm(clip_grad, total_norm)
 
+    def _clip_in_place(self, clip_grad: float, total_norm: float) -> None:
+        for member in self.chained_optimizers:
+            member._clip_in_place(clip_grad, total_norm)
+
     @torch.no_grad()
     def count_zeros(self) -> float:
         return sum(member.count_zeros() for member in self.chained_optimizers)

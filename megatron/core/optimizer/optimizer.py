@@ -132,8 +132,11 @@ class MegatronOptimizer(ABC):
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip the main gradients to a global norm of ``clip_grad``; return the norm before."""
         grad_norm = self.get_grad_norm()
-        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        self._clip_in_place(clip_grad, grad_norm)
         return grad_norm
+
+    def _clip_in_place(self, clip_grad: float, total_norm: float) -> None:
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, total_norm)
 
     @torch.no_grad()
     def count_zeros(self) -> float:
@@ -198,17 +201,22 @@ class MegatronOptimizer(ABC):
         return grad_norm
 
     def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
-        """Clip as ``clip_grad_norm`` does, for a norm already known; where torch's fused Adam
-        runs next, by having its kernel divide the gradients (its ``grad_scale``) instead of
+        """Clip as ``clip_grad_norm`` does, for a norm already known, before the step; where
+        the step divides the gradients by ``grad_scale``, by handing it the factor instead of
         a pass over them first."""
-        if not getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, total_norm)
+        if not self._step_divides_by_grad_scale():
+            self._clip_in_place(clip_grad, total_norm)
             return
         coefficient = clip_grad / (total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
         parameters = self.get_parameters()  # none on a rank whose shard holds no parameter
         if coefficient < 1.0 and parameters:
             self.optimizer.grad_scale = torch.full((), 1.0 / coefficient,
                                                    device=parameters[0].device)
+
+    def _step_divides_by_grad_scale(self) -> bool:
+        """Whether the step divides the gradients by ``self.optimizer.grad_scale`` (torch's
+        fused Adam does)."""
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
 
     def _empty_statistic(self) -> float | None:
         """What step() reports for a statistic it did not compute (None, as upstream)."""
@@ -422,29 +430,16 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return [grad for main, grad in self.flat_adam.gradients()
                 if counts_toward_grad_stats(main, tp_rank)]
 
-    @torch.no_grad()
-    def clip_grad_norm(self, clip_grad: float) -> float:
+    def _step_divides_by_grad_scale(self) -> bool:
         if self.flat_adam is None:
-            return super().clip_grad_norm(clip_grad)
-        grad_norm = self.get_grad_norm()
-        self._clip_to_total_norm(clip_grad, grad_norm)
-        return grad_norm
+            return super()._step_divides_by_grad_scale()
+        # Its Triton kernel does; its torch fallback keeps the in-place clip (the default
+        # optimizer's arithmetic).
+        return self.flat_adam.runs_kernel
 
-    def _clip_in_step(self, clip_grad: float) -> float:
-        # The flat Adam's kernel divides the gradients by grad_scale: no pass over them here.
-        # (Its torch fallback keeps the in-place clip: the default optimizer's arithmetic.)
-        if self.flat_adam is None or not self.flat_adam.runs_kernel:
-            return super()._clip_in_step(clip_grad)
-        grad_norm = self.get_grad_norm()
-        coefficient = clip_grad / (grad_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
-        if coefficient < 1.0 and self._flat_grads():
-            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient,
-                                                   device=self.found_inf.device)
-        return grad_norm
-
-    def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
+    def _clip_in_place(self, clip_grad: float, total_norm: float) -> None:
         if self.flat_adam is None:
-            super()._clip_to_total_norm(clip_grad, total_norm)
+            super()._clip_in_place(clip_grad, total_norm)
             return
         coefficient = clip_grad / (total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
         grads = self._flat_grads()

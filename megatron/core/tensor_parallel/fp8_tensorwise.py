@@ -86,6 +86,13 @@ def _cast_weight(weight):
             _transposed(weight, scale, e4m3, weight.shape[0]), scale.reciprocal())
 
 
+def _cast_shard(shard, amax, dtype: torch.dtype):
+    """A sequence shard in float8 with the scale of the whole gathered input (``amax`` reduced
+    over the group), and the inverse scale."""
+    scale = _scale_of(amax, dtype)
+    return _to_float8(shard, scale, dtype).contiguous(), scale.reciprocal()
+
+
 def _forward(input_, weight, rows: int, wgrad_fp8: bool):
     """Cast both operands and multiply: the output, the transposed float8 input for the weight
     gradient (with ``wgrad_fp8``) and the input's inverse scale, then the weight's casts."""
@@ -154,13 +161,6 @@ def _cached(weight: torch.Tensor) -> Optional[_WeightCasts]:
     if entry is not None and entry.weight is weight and entry.version == weight._version:
         return entry
     return None
-
-
-def _cast_shard(shard, amax, dtype: torch.dtype):
-    """A sequence shard in float8 with the scale of the whole gathered input (``amax`` reduced
-    over the group), and the inverse scale."""
-    scale = _scale_of(amax, dtype)
-    return _to_float8(shard, scale, dtype).contiguous(), scale.reciprocal()
 
 
 class _Steps(NamedTuple):
@@ -310,15 +310,16 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
 def _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t, input_inverse, fuse_wgrad):
     """``grad^T @ input`` from the transposed float8 operands: into ``weight.main_grad`` with
     ``fuse_wgrad`` (an unread gradient returned for autograd's hook), else returned."""
-    if not fuse_wgrad:
+    def gemm(dtype: torch.dtype, **out) -> torch.Tensor:
         return torch._scaled_mm(grad8_t, input8_t.t(), grad_inverse, input_inverse,
-                                out_dtype=weight.dtype)
+                                out_dtype=dtype, **out)
+
+    if not fuse_wgrad:
+        return gemm(weight.dtype)
     main_grad = weight.main_grad
     # Unknown (no data-parallel buffer reset it): taken as not zero.
     if getattr(weight, "grad_added_to_main_grad", True):
-        main_grad.add_(torch._scaled_mm(grad8_t, input8_t.t(), grad_inverse, input_inverse,
-                                        out_dtype=weight.dtype))
+        main_grad.add_(gemm(weight.dtype))
     else:  # still zero this step: the GEMM writes it
-        torch._scaled_mm(grad8_t, input8_t.t(), grad_inverse, input_inverse,
-                         out_dtype=main_grad.dtype, out=main_grad)
+        gemm(main_grad.dtype, out=main_grad)
     return added_to_main_grad(weight)
