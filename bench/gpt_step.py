@@ -24,8 +24,9 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
 * ``trainer-fp8`` / ``trainer-fp8-rowwise``: the trainer with ``--fp8-format hybrid``
   (tensorwise or rowwise scaling; torchao must be importable); ``trainer-flat-fp8`` with the
   flat Adam too (against ``trainer-flat``);
-* ``trainer-flat-fp16-state`` / ``trainer-flat-fp8-state``: the flat Adam with fp16 moments, or
-  an fp8 first and fp16 second moment;
+* ``trainer-flat-fp16-state`` / ``trainer-flat-fp8-state``: the flat Adam with fp16 main
+  parameters and fp16 moments, or an fp8 first and fp16 second moment (issue 25's rows);
+  ``trainer-flat-lean`` also with bf16 main gradients (every low-precision choice at once);
 * ``trainer-varlen``: the trainer with ``--variable-seq-lengths`` on samples whose lengths are
   uniform in 50-100% of the sequence length, collated as the data loader does (each
   microbatch padded to its longest sample); its tokens/s counts real tokens only.
@@ -54,6 +55,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
+# The flat Adam with fp16 main parameters (issue 25's low-precision-state rows).
+FP16_MAINS = ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"]
 # pretrain_gpt.py's own step: name -> its own flags.
 TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
             "trainer-flat": ["--use-precision-aware-optimizer"],
@@ -61,10 +64,12 @@ TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
             "trainer-fp8": ["--fp8-format", "hybrid"],
             "trainer-fp8-rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
             "trainer-flat-fp8": ["--use-precision-aware-optimizer", "--fp8-format", "hybrid"],
-            "trainer-flat-fp16-state": ["--use-precision-aware-optimizer", "--exp-avg-dtype",
-                                        "fp16", "--exp-avg-sq-dtype", "fp16"],
-            "trainer-flat-fp8-state": ["--use-precision-aware-optimizer", "--exp-avg-dtype",
-                                       "fp8", "--exp-avg-sq-dtype", "fp16"]}
+            "trainer-flat-fp16-state": [*FP16_MAINS, "--exp-avg-dtype", "fp16",
+                                        "--exp-avg-sq-dtype", "fp16"],
+            "trainer-flat-fp8-state": [*FP16_MAINS, "--exp-avg-dtype", "fp8",
+                                       "--exp-avg-sq-dtype", "fp16"],
+            "trainer-flat-lean": [*FP16_MAINS, "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype",
+                                  "fp16", "--main-grads-dtype", "bf16"]}
 # Issue 25's targets: (numerator, denominator) -> least ratio of tokens/s. FP8 against bf16
 # depends on the shape: 1.10 at 1.3B, 1.30 at the 7B-like one (hidden 4096).
 BY_SHAPE = None
@@ -73,7 +78,8 @@ LOW_PRECISION_TARGETS = {("trainer-fp8", "trainer"): BY_SHAPE,
                          ("trainer-flat-fp8", "trainer-flat"): BY_SHAPE,
                          ("trainer-fp8", "torch"): 1.15,
                          ("trainer-flat-fp16-state", "ours"): 0.97,
-                         ("trainer-flat-fp8-state", "ours"): 0.97}
+                         ("trainer-flat-fp8-state", "ours"): 0.97,
+                         ("trainer-flat-lean", "ours"): 0.97}
 
 
 def is_variable(flags: list[str]) -> bool:
@@ -100,6 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated subset of ours, trainer, trainer-distopt, "
                         "trainer-flat, trainer-varlen, trainer-fp8, trainer-fp8-rowwise, "
                         "trainer-flat-fp8, trainer-flat-fp16-state, trainer-flat-fp8-state, "
+                        "trainer-flat-lean, "
                         "mcore, torch, "
                         "torch-amp, and "
                         "ours-unfused (no fusions) or ours-act (only the bias-activation "
