@@ -92,6 +92,23 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
     assert all(len(curve) == 2 for curve in recorded.values()), recorded
 
 
+def test_host_work_counts_and_finalize_does_not_walk_the_model_each_step():
+    """bench/host_work.py prints its table and ratio line; the trainer's finalize phase does
+    the same host work at 2 and 4 layers (it no longer walks the module tree every step)."""
+    finalize = {}
+    for layers in (2, 4):
+        output = run_bench("host_work.py", "--num-layers", str(layers))
+        assert re.search(r"^trainer/model host work: Python calls \d+\.\d{3}x, ATen operators "
+                         r"\d+\.\d{3}x$", output, re.MULTILINE), output
+        rows = {line.split()[0]: [int(value) for value in line.split()[1:]]
+                for line in output.splitlines()
+                if line.split()[:1] and line.split()[0] in ("loop", "forward", "backward",
+                                                            "finalize", "optimizer", "total")}
+        assert len(rows) == 6, output
+        finalize[layers] = rows["finalize"]
+    assert finalize[2] == finalize[4], finalize
+
+
 def test_gpt_step_trainer_rows_run_on_the_cpu():
     """The trainer rows as pretrain_gpt.py trains (the H200 found them dying in the log line,
     and the FP8 rows unable to import torchao): --quick runs them on the CPU over gloo, two

@@ -223,6 +223,14 @@ def test_clipping_matches_clip_grad_norm_and_norms_match_torch():
         expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]), norm_type)
         assert get_grad_norm_fp32(grads, norm_type) == pytest.approx(expected.item(), rel=1e-6)
 
+    # bf16 gradients (--main-grads-dtype bf16) are normed in fp32 without fp32 copies; a mixed
+    # list too.
+    low = [torch.randn(300, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16),
+           torch.randn(7, dtype=torch.bfloat16), torch.randn(4)]
+    for norm_type in (1.0, 2.0, 3.0):
+        expected = torch.linalg.vector_norm(torch.cat([g.float() for g in low]), norm_type)
+        assert get_grad_norm_fp32(low, norm_type) == pytest.approx(expected.item(), rel=1e-6)
+
 
 def test_clipping_inside_fused_adam_matches_clipping_first():
     # With torch's fused AdamW the clip coefficient goes into its kernel (grad_scale), not a

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -24,6 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import parallel_state
 from megatron.core.distributed.collective_group import CollectiveGroup, resolve_group
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, timer_span
 
 
@@ -36,6 +39,44 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
 def _named_params(model: Sequence[torch.nn.Module]) -> Iterable[tuple[str, torch.nn.Parameter]]:
     for chunk in model:
         yield from get_attr_wrapped_model(chunk, "named_parameters")()
+
+
+@dataclass(frozen=True)
+class _Marked:
+    """A chunk's parameters that finalize_model_grads may reduce beyond data parallelism."""
+
+    # (parameter, marked sequence_parallel, named as a query/key norm), in named_parameters
+    # order; the latter count only under qk_layernorm.
+    tensor_parallel: tuple[tuple[torch.nn.Parameter, bool, bool], ...]
+    shared_embedding: tuple[torch.nn.Parameter, ...]
+
+
+# A DDP-wrapped chunk's parameters are fixed once its buffers are built, so they are sorted
+# once, not by a walk over the module tree (hundreds of parameters) every iteration.
+_MARKED: "weakref.WeakKeyDictionary[torch.nn.Module, _Marked]" = weakref.WeakKeyDictionary()
+
+
+def _marked(chunk: torch.nn.Module) -> _Marked:
+    found = _MARKED.get(chunk)
+    if found is not None:
+        return found
+    tensor_parallel, shared = [], []
+    for name, param in _named_params([chunk]):
+        sequence_parallel = bool(getattr(param, "sequence_parallel", False))
+        qk_norm = _is_qk_norm(name)
+        if sequence_parallel or qk_norm:
+            tensor_parallel.append((param, sequence_parallel, qk_norm))
+        if getattr(param, "shared_embedding", False):
+            shared.append(param)
+    found = _Marked(tuple(tensor_parallel), tuple(shared))
+    if isinstance(chunk, DistributedDataParallel):
+        _MARKED[chunk] = found
+    return found
+
+
+def _grads_to_reduce(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    grads = (_grad_of(param) for param in params if param.requires_grad)
+    return [grad for grad in grads if grad is not None]
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: CollectiveGroup) -> None:
@@ -52,16 +93,11 @@ def _is_qk_norm(name: str) -> bool:
     return "q_layernorm" in name or "k_layernorm" in name
 
 
-def _allreduce_sequence_parallel_grads(model, config, tp_group: Any) -> None:
+def _allreduce_sequence_parallel_grads(marked: list[_Marked], config, tp_group: Any) -> None:
     qk_layernorm = getattr(config, "qk_layernorm", False)
-    grads = []
-    for name, param in _named_params(model):
-        if not param.requires_grad:
-            continue
-        if getattr(param, "sequence_parallel", False) or (qk_layernorm and _is_qk_norm(name)):
-            grad = _grad_of(param)
-            if grad is not None:
-                grads.append(grad)
+    grads = _grads_to_reduce(
+        param for chunk in marked for param, sequence_parallel, qk_norm
+        in chunk.tensor_parallel if sequence_parallel or (qk_layernorm and qk_norm))
     if grads:  # only then is a tensor-parallel group needed at all
         group = resolve_group(tp_group, parallel_state.get_tensor_model_parallel_group)
         _all_reduce_coalesced(grads, group)
@@ -90,13 +126,8 @@ def _allreduce_conditional_embedding_grads(model, config, pp_group: Any = None) 
             grad.copy_(total)
 
 
-def _allreduce_shared_embedding_grads(model, embedding_group: Any) -> None:
-    grads = []
-    for _, param in _named_params(model):
-        if param.requires_grad and getattr(param, "shared_embedding", False):
-            grad = _grad_of(param)
-            if grad is not None:
-                grads.append(grad)
+def _allreduce_shared_embedding_grads(marked: list[_Marked], embedding_group: Any) -> None:
+    grads = _grads_to_reduce(param for chunk in marked for param in chunk.shared_embedding)
     if not grads:
         return  # untied embeddings, or a stage that holds no embedding
     group = resolve_group(embedding_group, parallel_state.get_embedding_group)
@@ -160,12 +191,13 @@ def finalize_model_grads(
 
     with timer_span(config, "all-grads-sync", log_level=1):
         _finish_data_parallel_sync(model, dp_group)
+    marked = [_marked(chunk) for chunk in model]
     with timer_span(config, "layernorm-grads-all-reduce", log_level=1):
-        _allreduce_sequence_parallel_grads(model, config, tp_group)
+        _allreduce_sequence_parallel_grads(marked, config, tp_group)
     with timer_span(config, "conditional-embedder-grads-all-reduce", log_level=1):
         _allreduce_conditional_embedding_grads(model, config, pp_group)
     with timer_span(config, "embedding-grads-all-reduce", log_level=1):
-        _allreduce_shared_embedding_grads(model, embedding_group)
+        _allreduce_shared_embedding_grads(marked, embedding_group)
 
     if num_tokens is not None:
         pp = resolve_group(pp_group, parallel_state.get_pipeline_model_parallel_group)

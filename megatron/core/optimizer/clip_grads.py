@@ -29,6 +29,16 @@ def _as_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tenso
     return list(tensors)
 
 
+@torch.no_grad()
+def _fp32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's norm accumulated in fp32, without an fp32 copy of bf16/fp16 gradients
+    where torch's multi-tensor norm takes a dtype (torch 2.5 and later)."""
+    try:
+        return torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+    except TypeError:
+        return torch._foreach_norm([t.float() for t in tensors], norm_type)
+
+
 def get_grad_norm_fp32(
     grads_for_norm: torch.Tensor | Sequence[torch.Tensor],
     norm_type: float = 2,
@@ -50,8 +60,7 @@ def get_grad_norm_fp32(
         return total.item()
 
     if grads:
-        per_tensor = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
-        local = torch.stack(per_tensor).pow(norm_type).sum()
+        local = torch.stack(_fp32_norms(grads, norm_type)).pow(norm_type).sum()
     else:
         local = torch.zeros((), device=device)
     total = local.reshape(1).clone()

@@ -532,7 +532,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     def _copy_main_params_to_model_params(self) -> None:
         pairs = list(self._pairs())
         if pairs:  # one multi-tensor launch instead of one copy per parameter
-            torch._foreach_copy_([half.data for half, _ in pairs], [main for _, main in pairs])
+            with torch.no_grad():  # into the parameters themselves: no .data view per step
+                torch._foreach_copy_([half for half, _ in pairs], [main for _, main in pairs])
 
     def _main_locations(self, buffers: Sequence[ParamAndGradBuffer]) -> list[MainLocation]:
         if any(self.fp32_from_fp32_groups):
