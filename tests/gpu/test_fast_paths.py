@@ -157,3 +157,11 @@ def test_fp8_weight_gradient_into_main_grad_on_cuda(in_fp32):
     from tests.unit.test_fp8_tensorwise import check_fused_and_plain_gradients_agree
 
     check_fused_and_plain_gradients_agree("cuda", in_fp32)
+
+
+@pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-buffer", "bf16-buffer"])
+def test_bf16_weight_gradient_written_then_added_into_main_grad_on_cuda(in_fp32):
+    # The first microbatch's GEMM writes main_grad (beta 0), the next ones add into it.
+    from tests.unit.test_tensor_parallel_single import check_fused_and_plain_gradients_agree
+
+    check_fused_and_plain_gradients_agree("cuda", in_fp32)

@@ -24,9 +24,9 @@ def operands(tokens: int, seed: int = 0, device: str = "cpu"):
 def run(matmul, x, w, grad, main_grad=None):
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
-    if main_grad is not None:
+    if main_grad is not None:  # as the data-parallel buffer leaves it after zeroing
         w.main_grad = main_grad
-        w.grad_added_to_main_grad = False
+        w.grad_added_to_main_grad, w.main_grad_is_zero = False, True
     y = matmul(x, w)
     y.backward(grad)
     return y, x.grad, w
@@ -52,12 +52,12 @@ def test_the_weight_gradient_is_written_then_added_into_main_grad(wgrad_fp8):
     x, w, grad = operands(8)
     plain = run(lambda a, b: Fp8TensorwiseMatmul.apply(a, b, E5M2, wgrad_fp8, False, False),
                 x, w, grad)[2].grad.float()
-    # fp8: the GEMM writes main_grad while it counts as zero (NaN shows it is not read);
-    # bf16: the GEMM accumulates into it, as the bf16 path does.
-    main_grad = torch.full(w.shape, float("nan")) if wgrad_fp8 else torch.zeros(w.shape)
+    # The GEMM (float8 or bf16) writes main_grad while it counts as zero: NaN shows it is
+    # not read.
+    main_grad = torch.full(w.shape, float("nan"))
     fused = lambda a, b: Fp8TensorwiseMatmul.apply(a, b, E5M2, wgrad_fp8, True, False)
     _, _, weight = run(fused, x, w, grad, main_grad)
-    assert weight.grad_added_to_main_grad
+    assert weight.grad_added_to_main_grad and not weight.main_grad_is_zero
     torch.testing.assert_close(main_grad, plain, rtol=2 ** -7, atol=1e-4)
     # A second microbatch adds its gradient.
     y = fused(x.clone().requires_grad_(), weight)
@@ -65,7 +65,7 @@ def test_the_weight_gradient_is_written_then_added_into_main_grad(wgrad_fp8):
     torch.testing.assert_close(main_grad, 2 * plain, rtol=2 ** -7, atol=1e-4)
 
 
-def test_a_weight_without_the_flag_has_its_gradient_added():
+def test_a_weight_no_buffer_said_was_zero_has_its_gradient_added():
     x, w, grad = operands(8)
     plain = run(lambda a, b: Fp8TensorwiseMatmul.apply(a, b, E4M3, True, False, False),
                 x, w, grad)[2].grad.float()

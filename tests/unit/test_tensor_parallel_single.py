@@ -226,6 +226,68 @@ def test_fused_gradient_accumulation_adds_the_weight_gradient_into_main_grad(dty
     torch.testing.assert_close(b.grad, expected_bias_grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gradient_accumulation_writes_a_main_grad_its_buffer_zeroed(dtype):
+    """After the data-parallel buffer zeroed main_grad (main_grad_is_zero), the weight-gradient
+    GEMM writes it without reading it (NaN would show), then adds the next microbatch's."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 4, dtype=dtype, requires_grad=True)
+    w, upstream = torch.randn(5, 4, dtype=dtype), torch.randn(3, 2, 5, dtype=dtype)
+    linear = tp.linear_with_grad_accumulation_and_async_allreduce
+    plain = torch.nn.Parameter(w.clone())
+    linear(x, plain, None, False, False, False).backward(upstream)
+    fused = _with_main_grad(w)
+    fused.main_grad.fill_(float("nan"))
+    fused.main_grad_is_zero = True
+    linear(x, fused, None, True, False, False).backward(upstream)
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(fused.main_grad, plain.grad.float(), **tolerance)
+    assert not fused.main_grad_is_zero
+    linear(x, fused, None, True, False, False).backward(upstream)
+    torch.testing.assert_close(fused.main_grad, 2 * plain.grad.float(), **tolerance)
+
+
+def check_fused_and_plain_gradients_agree(device: str, in_fp32: bool) -> None:
+    """Two steps of two microbatches of a bf16 linear: the buffer's hook adds the plain path's
+    gradients; the fused GEMM writes the first microbatch's (on CUDA into fp32 within the
+    GEMM), adds the second's, and writes again after zero_grad_buffer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    class Linear(torch.nn.Module):
+        def __init__(self, fuse: bool):
+            super().__init__()
+            self.config, self.fuse = ModelParallelConfig(bf16=True), fuse
+            self.weight = torch.nn.Parameter(dense_weight(3, (48, 64)).bfloat16().to(device))
+
+        def forward(self, x):
+            return tp.linear_with_grad_accumulation_and_async_allreduce(
+                x, self.weight, None, self.fuse, False, False)
+
+    gradients = {}
+    for fuse in (False, True):
+        module = Linear(fuse)
+        model = DistributedDataParallel(
+            module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=in_fp32), module)
+        steps = []
+        for step in range(2):
+            model.zero_grad_buffer()
+            for microbatch in range(2):
+                gen = torch.Generator().manual_seed(10 * step + microbatch)
+                x = torch.randn(32, 64, generator=gen).bfloat16().to(device)
+                model(x).backward(torch.randn(32, 48, generator=gen).bfloat16().to(device))
+            steps.append(module.weight.main_grad.clone())
+        gradients[fuse] = steps
+    for plain, fused in zip(gradients[False], gradients[True]):
+        # The plain path rounds each microbatch's gradient to bf16 first.
+        step = 2 ** -7 * plain.abs().max().item()
+        torch.testing.assert_close(fused.float(), plain.float(), rtol=0, atol=step)
+
+
+@pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-buffer", "bf16-buffer"])
+def test_through_the_data_parallel_buffers_fused_and_plain_gradients_agree(in_fp32):
+    check_fused_and_plain_gradients_agree("cpu", in_fp32)
+
+
 def test_layers_fuse_only_their_own_weight():
     # A weight passed in (the output layer's tied embedding) also gets the embedding's gradient
     # through autograd, so the layer must leave it to the data-parallel wrapper's hook.

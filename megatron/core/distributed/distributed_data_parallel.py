@@ -118,6 +118,7 @@ class DistributedDataParallel(torch.nn.Module):
                     f"mixture-of-experts is not supported by this tree"
                 )
             param.grad_added_to_main_grad = False
+            param.main_grad_is_zero = True  # its buffer starts zeroed
             self.params_with_grad.append(param)
             param_to_name[param] = name
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
@@ -186,6 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
         # A fused weight-gradient kernel may already have written into main_grad.
         if param.grad is not None and not param.grad_added_to_main_grad:
             param.main_grad.add_(param.grad)
+            param.main_grad_is_zero = False
         param.grad = None
         if self.ddp_config.overlap_grad_reduce:
             bucket_group.register_grad_ready(param)
@@ -267,6 +269,8 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero all gradient buffers and reset the reduction state; call once per iteration."""
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False
+            # A fused weight-gradient GEMM may write the first gradient instead of adding it.
+            param.main_grad_is_zero = True
         for buffer in self.buffers:
             buffer.reset()
         for group in self.bucket_groups:

@@ -2,7 +2,9 @@
 
 ``accumulate_weight_grad`` is gradient accumulation fusion: the weight-gradient GEMM adds into
 ``weight.main_grad`` directly (fp32 from bf16/fp16 inputs in cuBLAS's epilogue), which saves
-writing, reading and adding a half-precision copy of every gradient.
+writing, reading and adding a half-precision copy of every gradient; the first GEMM after the
+data-parallel buffer zeroed ``main_grad`` writes it instead (``into_main_grad``), which saves
+reading it too.
 
 Deferral (``defer_embedding_wgrad_compute``): on the last pipeline stage the output layer's
 weight-gradient GEMM (``[tokens, vocab/tp]^T x [tokens, hidden]``) is the largest of a
@@ -21,7 +23,7 @@ only in ``finish_grad_sync``, after the drain.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,20 +32,35 @@ from megatron.core.tensor_parallel.utils import resolve_tp_group
 
 
 def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor,
-                           input_: torch.Tensor) -> None:
-    """``main_grad += grad_output^T @ input_`` (2-D operands) in one GEMM where the dtypes
-    allow: same dtype, or fp32 accumulation of half-precision operands on CUDA."""
+                           input_: torch.Tensor, overwrite: bool = False) -> None:
+    """``main_grad += grad_output^T @ input_`` (2-D operands; ``overwrite``: ``=``, the GEMM's
+    beta 0, with which torch does not read ``main_grad``) in one GEMM where the dtypes allow:
+    same dtype, or fp32 accumulation of half-precision operands on CUDA."""
+    beta = 0 if overwrite else 1
     if main_grad.dtype == input_.dtype:
-        main_grad.addmm_(grad_output.t(), input_)
+        main_grad.addmm_(grad_output.t(), input_, beta=beta)
         return
     if main_grad.is_cuda and main_grad.dtype == torch.float32:
         try:
             torch.addmm(main_grad, grad_output.t(), input_, out_dtype=torch.float32,
-                        out=main_grad)
+                        beta=beta, out=main_grad)
             return
         except TypeError:  # a torch without addmm's out_dtype (before 2.8)
             pass
-    main_grad.add_(grad_output.t().matmul(input_))
+    product = grad_output.t().matmul(input_)
+    if overwrite:
+        main_grad.copy_(product)
+    else:
+        main_grad.add_(product)
+
+
+def into_main_grad(weight: torch.Tensor, write: Callable[[bool], None]) -> None:
+    """Put a weight gradient into ``weight.main_grad`` by ``write(overwrite)``: overwriting
+    where the data-parallel buffer says nothing went into it since it was zeroed this step
+    (``main_grad_is_zero``, which only that buffer sets: elsewhere the GEMM adds, as
+    upstream's fused accumulation does), which spares the GEMM reading it."""
+    write(getattr(weight, "main_grad_is_zero", False))
+    weight.main_grad_is_zero = False
 
 
 def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -60,7 +77,8 @@ def weight_grad_for_autograd(weight: torch.Tensor, grad_output: torch.Tensor,
     ``fused``, accumulated into ``weight.main_grad`` instead (``added_to_main_grad``)."""
     if not fused:
         return grad_output.t().matmul(input_)
-    accumulate_weight_grad(weight.main_grad, grad_output, input_)
+    into_main_grad(weight, lambda overwrite: accumulate_weight_grad(
+        weight.main_grad, grad_output, input_, overwrite))
     return added_to_main_grad(weight)
 
 
@@ -79,11 +97,13 @@ def add_weight_grad(weight: torch.nn.Parameter, grad_output: torch.Tensor, input
     grad_output, input_ = _flat(grad_output), _flat(input_)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None and fused:
-        accumulate_weight_grad(main_grad, grad_output, input_)
+        into_main_grad(weight, lambda overwrite: accumulate_weight_grad(
+            main_grad, grad_output, input_, overwrite))
         return
     grad = grad_output.t().matmul(input_)
     if main_grad is not None:
         main_grad.add_(grad)
+        weight.main_grad_is_zero = False
     elif weight.grad is None:
         weight.grad = grad
     else:
