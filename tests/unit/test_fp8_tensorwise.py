@@ -9,6 +9,7 @@ import torch
 
 from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe, _fp8_matmul
 from megatron.core.tensor_parallel.fp8_tensorwise import Fp8TensorwiseMatmul
+from tests.support.fused_wgrad import main_grads_plain_and_fused
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -96,24 +97,12 @@ class Fp8Linear(torch.nn.Module):
 
 
 def check_fused_and_plain_gradients_agree(device: str, in_fp32: bool) -> None:
-    """Two steps of two microbatches through the data-parallel buffers: the buffer's hook adds
-    the plain path's bf16 gradients; the fused path writes the first microbatch's, adds the
-    second's, and writes again after zero_grad_buffer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """The FP8 weight gradient through the data-parallel buffers, plain and fused."""
+    def batch(seed: int):
+        x, _, grad = operands(8, seed=seed, device=device)
+        return x, grad
 
-    gradients = {}
-    for fuse in (False, True):
-        module = Fp8Linear(fuse, device)
-        model = DistributedDataParallel(
-            module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=in_fp32), module)
-        steps = []
-        for step in range(2):
-            model.zero_grad_buffer()
-            for microbatch in range(2):
-                x, _, grad = operands(8, seed=10 * step + microbatch, device=device)
-                model(x).backward(grad)
-            steps.append(module.weight.main_grad.clone())
-        gradients[fuse] = steps
+    gradients = main_grads_plain_and_fused(lambda fuse: Fp8Linear(fuse, device), batch, in_fp32)
     for plain, fused in zip(gradients[False], gradients[True]):
         assert plain.dtype == fused.dtype == (torch.float32 if in_fp32 else torch.bfloat16)
         # The plain path rounds each microbatch's gradient to bf16 (the fused one not the

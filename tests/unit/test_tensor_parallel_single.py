@@ -15,6 +15,7 @@ from megatron.core import tensor_parallel as tp
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.random import _InferenceRNGStatesTracker
 from megatron.core.tensor_parallel.weight_init import shard_of_master
+from tests.support.fused_wgrad import main_grads_plain_and_fused
 
 ATOL = RTOL = 1e-6
 # The RNG tracker drives the CUDA generator when there is one, else the CPU generator.
@@ -248,10 +249,8 @@ def test_fused_gradient_accumulation_writes_a_main_grad_its_buffer_zeroed(dtype)
 
 
 def check_fused_and_plain_gradients_agree(device: str, in_fp32: bool) -> None:
-    """Two steps of two microbatches of a bf16 linear: the buffer's hook adds the plain path's
-    gradients; the fused GEMM writes the first microbatch's (on CUDA into fp32 within the
-    GEMM), adds the second's, and writes again after zero_grad_buffer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """A bf16 linear's weight gradient through the data-parallel buffers, plain and fused (on
+    CUDA accumulated in fp32 within the GEMM)."""
 
     class Linear(torch.nn.Module):
         def __init__(self, fuse: bool):
@@ -263,20 +262,12 @@ def check_fused_and_plain_gradients_agree(device: str, in_fp32: bool) -> None:
             return tp.linear_with_grad_accumulation_and_async_allreduce(
                 x, self.weight, None, self.fuse, False, False)
 
-    gradients = {}
-    for fuse in (False, True):
-        module = Linear(fuse)
-        model = DistributedDataParallel(
-            module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=in_fp32), module)
-        steps = []
-        for step in range(2):
-            model.zero_grad_buffer()
-            for microbatch in range(2):
-                gen = torch.Generator().manual_seed(10 * step + microbatch)
-                x = torch.randn(32, 64, generator=gen).bfloat16().to(device)
-                model(x).backward(torch.randn(32, 48, generator=gen).bfloat16().to(device))
-            steps.append(module.weight.main_grad.clone())
-        gradients[fuse] = steps
+    def batch(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(32, 64, generator=gen).bfloat16().to(device),
+                torch.randn(32, 48, generator=gen).bfloat16().to(device))
+
+    gradients = main_grads_plain_and_fused(Linear, batch, in_fp32)
     for plain, fused in zip(gradients[False], gradients[True]):
         # The plain path rounds each microbatch's gradient to bf16 first.
         step = 2 ** -7 * plain.abs().max().item()
