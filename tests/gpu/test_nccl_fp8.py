@@ -1,16 +1,18 @@
 """``--fp8-format`` over NCCL, several ranks on one GPU: the CUDA path (compiled casts,
 ``torch._scaled_mm``, the weight gradient written into ``main_grad``, the float8 gather of
-sequence shards) composed with tensor and sequence parallelism, the interleaved pipeline and
+sequence shards, the input gradient's all-reduce overlapped with the weight gradient) composed
+with tensor and sequence parallelism, the interleaved pipeline and
 recompute, and with data parallelism and the distributed optimizer (whose buffers are
 reduce-scattered), trains like bf16 with the same flags: the gloo comparison of
 ``tests/distributed/test_fp8.py``, on the GPU; and the float8 gather equals a bf16 gather
-followed by the same float8 matmul, bit for bit (``tests/distributed/
-test_fp8_sequence_parallel.py``, over NCCL).
+followed by the same float8 matmul, and the overlapped reduction one after the matmul, bit for
+bit (``tests/distributed/test_fp8_tensor_parallel.py``, over NCCL).
 """
 
 import pytest
 
-from tests.distributed.fp8_sequence_parallel_cases import compare_float8_gather
+from tests.distributed.fp8_tensor_parallel_cases import (
+    compare_float8_gather, compare_overlapped_dgrad_reduction)
 from tests.distributed.test_fp8 import FP8_TOLERANCE
 from tests.distributed.test_trainer import PP2_VPP2
 from tests.gpu.nccl_support import BACKEND, needs
@@ -45,4 +47,10 @@ def test_fp8_trains_like_bf16_over_nccl(layout, data, tmp_path):
 def test_the_float8_gather_equals_a_bf16_gather_over_nccl():
     device = "cuda" if BACKEND == "nccl" else "cpu"
     assert run_ranks(compare_float8_gather, 2, args=(device,), backend=BACKEND,
+                     timeout_s=180) == ["equal"] * 2
+
+
+def test_the_overlapped_input_gradient_reduction_over_nccl():
+    device = "cuda" if BACKEND == "nccl" else "cpu"
+    assert run_ranks(compare_overlapped_dgrad_reduction, 2, args=(device,), backend=BACKEND,
                      timeout_s=180) == ["equal"] * 2

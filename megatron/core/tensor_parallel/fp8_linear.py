@@ -18,9 +18,9 @@ H200); one compiled function serves every layer of a recipe, specialised by shap
 The layer's communication is composed around the matmul (an autograd function): the
 sequence-parallel all-gather / reduce-scatter, or the input-gradient all-reduce, as the
 autograd-aware mappings; tensorwise with sequence parallelism gathers the input in float8
-and keeps only its shard for backward, as the bf16 path keeps its shard. Not done here,
-unlike the bf16 path, outside that case: overlapping the input-gradient reduction with the
-weight gradient.
+and keeps only its shard for backward, as the bf16 path keeps its shard, and without it
+overlaps the input gradient's all-reduce with the weight gradient, as the bf16 path does
+(rowwise: the all-reduce follows the matmul's backward).
 
 torchao is optional, as Transformer Engine is: asking for FP8 without it is a one-line error.
 On a GPU the float8 matmuls need compute capability 8.9 or later (Ada, Hopper); on a CPU
@@ -143,12 +143,13 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         return output if bias is None else output + bias
     if sequence_parallel:
         input_ = gather_from_sequence_parallel_region(input_, group=group)
-    elif allreduce_dgrad:
-        input_ = copy_to_tensor_model_parallel_region(input_, group=group)
-    if tensorwise:
+    if tensorwise:  # with allreduce_dgrad, overlapped with the weight gradient
         output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
-            input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate)
+            input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate,
+            resolve_tp_group(group) if allreduce_dgrad and not sequence_parallel else None)
     else:
+        if allreduce_dgrad and not sequence_parallel:
+            input_ = copy_to_tensor_model_parallel_region(input_, group=group)
         # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is
         # the token count, which variable sequence lengths may leave uneven: padded then.
         tokens = input_.numel() // max(input_.shape[-1], 1)

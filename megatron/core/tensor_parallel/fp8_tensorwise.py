@@ -16,13 +16,14 @@ numerics as torchao's tensorwise recipe):
   holding 2 bytes per weight element until the call ends;
 * with ``fuse_wgrad`` (the weight has ``main_grad``: the data-parallel buffers), the weight
   gradient's GEMM writes fp32 straight into ``main_grad`` while it is still zero this step
-  (``weight_grad.into_main_grad``), and is added into it afterwards; autograd gets an unread gradient that only fires the buffer's hook, as the bf16
-  path's fused accumulation does.
+  (``weight_grad.into_main_grad``), and is added into it afterwards; autograd gets an unread
+  gradient that only fires the buffer's hook, as the bf16 path's fused accumulation does.
 
 On a GPU the casts and the GEMMs (``torch._scaled_mm``) of each direction run as one
 torch.compile'd call, whose kernels fuse each operand's scaling and casts; the weight
-gradient's GEMM runs outside, for its ``out=main_grad``. Without ``recipe.wgrad`` the weight gradient is a bf16
-GEMM (accumulated in fp32 into ``main_grad`` with ``fuse_wgrad``) on the saved bf16 input.
+gradient's GEMM runs outside, for its ``out=main_grad``. Without ``recipe.wgrad`` the weight
+gradient is a bf16 GEMM (accumulated in fp32 into ``main_grad`` with ``fuse_wgrad``) on the
+saved bf16 input.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.collectives import all_gather_first_dim, all_reduce, \
-    reduce_scatter_first_dim
+    group_size, reduce_scatter_first_dim
 from megatron.core.tensor_parallel.weight_grad import added_to_main_grad, into_main_grad, \
     weight_grad_for_autograd
 
@@ -209,10 +210,13 @@ def _padded(count: int) -> int:
 
 class Fp8TensorwiseMatmul(torch.autograd.Function):
     """``input_ @ weight.T`` (input ``[..., k]``, weight ``[n, k]``) in float8, scaled per
-    tensor: e4m3 input and weight, ``grad_dtype`` output gradient."""
+    tensor: e4m3 input and weight, ``grad_dtype`` output gradient. With ``dgrad_group`` the
+    input gradient is summed over that group (a column-parallel layer's input, replicated across
+    it) while the weight gradient is computed."""
 
     @staticmethod
-    def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled):
+    def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled,
+                dgrad_group=None):
         steps = _steps(compiled)
         flat = input_.reshape(-1, input_.shape[-1])
         rows = _padded(flat.shape[0])
@@ -227,7 +231,7 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         ctx.save_for_backward(input8_t if wgrad_fp8 else input_, input_inverse, weight,
                               casts.weight8_t, casts.inverse)
         ctx.grad_dtype, ctx.wgrad_fp8, ctx.fuse_wgrad = grad_dtype, wgrad_fp8, fuse_wgrad
-        ctx.compiled, ctx.input_shape = compiled, input_.shape
+        ctx.compiled, ctx.input_shape, ctx.dgrad_group = compiled, input_.shape, dgrad_group
         return output.reshape(*input_.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -239,8 +243,11 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         grad_input, grad8_t, grad_inverse = _steps(ctx.compiled).backward(
             flat_grad, weight8_t, weight_inverse, ctx.grad_dtype, _padded(flat_grad.shape[0]),
             wgrad_fp8, needs_input_grad)
+        reduction = None
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.input_shape)
+            if ctx.dgrad_group is not None and group_size(ctx.dgrad_group) > 1:
+                reduction = dist.all_reduce(grad_input, group=ctx.dgrad_group, async_op=True)
 
         grad_weight = None
         if wgrad_fp8:
@@ -250,7 +257,9 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
             grad_weight = weight_grad_for_autograd(
                 weight, flat_grad, saved_input.reshape(-1, saved_input.shape[-1]),
                 ctx.fuse_wgrad)
-        return grad_input, grad_weight, None, None, None, None
+        if reduction is not None:
+            reduction.wait()
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 class Fp8SequenceParallelMatmul(torch.autograd.Function):
