@@ -227,6 +227,8 @@ def test_clipping_matches_clip_grad_norm_and_norms_match_torch():
     # list too.
     low = [torch.randn(300, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16),
            torch.randn(7, dtype=torch.bfloat16), torch.randn(4)]
+    assert get_grad_norm_fp32([g.double() for g in low]) == pytest.approx(
+        torch.linalg.vector_norm(torch.cat([g.float() for g in low])).item(), rel=1e-6)
     for norm_type in (1.0, 2.0, 3.0):
         expected = torch.linalg.vector_norm(torch.cat([g.float() for g in low]), norm_type)
         assert get_grad_norm_fp32(low, norm_type) == pytest.approx(expected.item(), rel=1e-6)

@@ -29,14 +29,19 @@ def _as_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tenso
     return list(tensors)
 
 
+_WIDEN_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @torch.no_grad()
 def _fp32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Each tensor's norm accumulated in fp32, without an fp32 copy of bf16/fp16 gradients
-    where torch's multi-tensor norm takes a dtype (torch 2.5 and later)."""
-    try:
-        return torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
-    except TypeError:
-        return torch._foreach_norm([t.float() for t in tensors], norm_type)
+    """Each tensor's norm in fp32: of bf16/fp16 gradients without fp32 copies where torch's
+    multi-tensor norm takes a dtype (torch 2.5 and later; it refuses to narrow fp64)."""
+    if all(tensor.dtype in _WIDEN_TO_FP32 for tensor in tensors):
+        try:
+            return torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+        except TypeError:  # an older torch
+            pass
+    return torch._foreach_norm([tensor.float() for tensor in tensors], norm_type)
 
 
 def get_grad_norm_fp32(
