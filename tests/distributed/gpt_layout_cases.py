@@ -71,10 +71,13 @@ def _layout_chunks(tp, pp, vpp):
     for chunk in range(vpp or 1):
         if vpp:
             parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+        # The layouts' weight gradients go straight into main_grad (written by the first
+        # microbatch after zero_grad_buffer, added by the others); the reference's through
+        # autograd and the buffer's hook.
         config = small_config(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp,
                               sequence_parallel=tp > 1, pipeline_dtype=torch.float32,
-                              add_bias_linear=False)
+                              add_bias_linear=False, gradient_accumulation_fusion=True)
         chunks.append(build_gpt(config, pre_process=parallel_state.is_pipeline_first_stage(),
                                 post_process=parallel_state.is_pipeline_last_stage(),
                                 share_embeddings_and_output_weights=True))

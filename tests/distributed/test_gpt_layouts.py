@@ -2,7 +2,8 @@
 
 Layouts tp x pp x dp: 1x1x1, 2x1x1, 1x2x1, 1x2x1 with two virtual stages, 1x1x2, 2x2x1, 1x2x2,
 2x1x2; sequence parallelism wherever tp > 1; tied embeddings; gradient clipping; the
-distributed optimizer wherever dp > 1 (it must equal the plain one). Losses and gradient norms
+distributed optimizer wherever dp > 1 (it must equal the plain one); the layouts' weight
+gradients fused into main_grad, the reference's through autograd. Losses and gradient norms
 of every step and every final parameter are compared with the reference, fp32.
 """
 
