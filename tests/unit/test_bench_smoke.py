@@ -80,15 +80,15 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
          "--final-window", "1", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2",
          "--global-batch-size", "2", "--distributed-backend", "gloo", "--variants",
-         "bf16,fp8,fp8-state", "--parallel", "2", "--png", str(png)],
+         "bf16,fp8,fp8-state,lean-state", "--parallel", "2", "--png", str(png)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=DEADLINE_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("fp8/bf16", "fp8-state/bf16"):
+    for name in ("fp8/bf16", "fp8-state/bf16", "lean-state/bf16"):
         assert re.search(rf"^{name} final loss = \d\.\d{{4}} \(target within", done.stdout,
                          re.MULTILINE), done.stdout
     assert png.stat().st_size > 0
     recorded = json.loads(png.with_suffix(".json").read_text())
-    assert sorted(recorded) == ["bf16", "fp8", "fp8-state"]
+    assert sorted(recorded) == ["bf16", "fp8", "fp8-state", "lean-state"]
     assert all(len(curve) == 2 for curve in recorded.values()), recorded
 
 
