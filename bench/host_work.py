@@ -12,7 +12,7 @@ AdamW) on the CPU over gloo, at full depth and a tiny width (compute is negligib
 work per step does not depend on the width), and counts per phase the Python calls (functions
 and builtins, as ``sys.setprofile`` sees them) and the ATen operators dispatched. Torch's AdamW
 runs its fused kernel in both, as the trainer's does on a GPU. It prints the table and the
-trainer's totals as multiples of the model's; the counts are the same on every run.
+trainer's totals as multiples of the model's; run to run the counts differ by a few calls.
 """
 
 from __future__ import annotations
