@@ -2,7 +2,8 @@
 matmuls: composed with tensor and sequence parallelism, the interleaved pipeline with
 variable lengths and activation recompute, the losses stay within float8's error of the bf16
 run's; with the distributed optimizer a run stopped and resumed continues bit for bit, and the
-checkpoint holds no float8 tensor (the weights stay bf16, their optimizer state fp32)."""
+checkpoint holds no float8 tensor (the weights stay bf16, their optimizer state fp32); its
+overlapped parameter all-gathers leave the weight casts' reuse bit for bit as without."""
 
 import pytest
 import torch
@@ -41,3 +42,17 @@ def test_fp8_with_the_distributed_optimizer_resumes_bit_for_bit(data, tmp_path):
     for part in ("model", "optimizer"):
         assert {t.dtype for t in _read(tmp_path, part).values()} <= {torch.bfloat16,
                                                                      torch.float32}
+
+
+def test_fp8_weight_casts_follow_overlapped_parameter_gathers(data):
+    """Tensorwise FP8 casts a weight once per schedule call and reuses the casts for the later
+    microbatches (two per rank here); with --overlap-param-gather the distributed optimizer's
+    all-gathers of the new weights land within that call, each awaited by the forward of the
+    modules it fills: the run equals the one without overlap, bit for bit."""
+    flags = ["--bf16", "--train-iters", "4", "--use-distributed-optimizer", "--fp8-format",
+             "hybrid"]
+    plain = losses(run(2, small_gpt(data, *flags)))
+    overlapped = losses(run(2, small_gpt(data, *flags, "--overlap-param-gather",
+                                         "--overlap-grad-reduce")))
+    assert sorted(plain) == [1, 2, 3, 4]
+    assert overlapped == plain

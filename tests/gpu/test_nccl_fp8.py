@@ -27,6 +27,11 @@ LAYOUTS = {
             "--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "1"]),
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    # The weight casts made once per schedule call, with the new weights' all-gathers landing
+    # within it.
+    "dp2-distributed-optimizer-overlapped": (2, ["--use-distributed-optimizer",
+                                                 "--overlap-param-gather",
+                                                 "--overlap-grad-reduce"]),
 }
 
 
