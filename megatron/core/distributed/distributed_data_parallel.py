@@ -267,12 +267,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero all gradient buffers and reset the reduction state; call once per iteration."""
+        for buffer in self.buffers:  # first: the device zeroes while the host goes on
+            buffer.reset()
         for param in self.params_with_grad:
             param.grad_added_to_main_grad = False
             # A fused weight-gradient GEMM may write the first gradient instead of adding it.
             param.main_grad_is_zero = True
-        for buffer in self.buffers:
-            buffer.reset()
         for group in self.bucket_groups:
             group.reset()
 
