@@ -330,6 +330,36 @@ def variable_length_batches(args, generator, multiple: int, count: int) -> list[
                     multiple_of=multiple, max_length=args.seq_length) for _ in range(count)]
 
 
+def start_trainer(args, flags: list[str], port: str = "29533"):
+    """pretrain_gpt.py's model, optimizer, scheduler and step config for the bench's shape,
+    in this process as rank 0 of 1 (its timers pretrain's: at the default
+    --timing-log-level 0 the step's finer timers, which synchronize the device, do nothing)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+    from megatron.training import get_args, training
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.timers import Timers, set_timers
+
+    initialize_megatron(argv=trainer_argv(args, flags))
+    timers = Timers(get_args().timing_log_level, get_args().timing_log_option)
+    set_timers(timers)
+    model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
+    return model, optimizer, scheduler, training.step_config(model, optimizer, timers)
+
+
+def full_length_batch(args, generator) -> dict:
+    """One microbatch of random tokens at the full sequence length, as the data loader gives."""
+    import torch
+
+    shape = (args.micro_batch_size, args.seq_length)
+    return {"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
+            "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
+            "loss_mask": torch.ones(shape),
+            "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}
+
+
 def run_trainer_worker(args, flags: list[str]) -> dict:
     """The step exactly as pretrain_gpt.py runs it on one GPU: DDP gradient buffers, the
     mixed-precision optimizer with clipping, loss averaging, timers and the log line."""
@@ -338,33 +368,18 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
 
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    sys.path.insert(0, str(REPO))
+    model, optimizer, scheduler, config = start_trainer(args, flags)
     import pretrain_gpt
     from megatron.training import get_args, training
-    from megatron.training.initialize import initialize_megatron
     from megatron.training.data_loading import pad_multiple
-    from megatron.training.timers import Timers, set_timers
 
-    initialize_megatron(argv=trainer_argv(args, flags))
     variable = is_variable(flags)
-    # pretrain's timers: at the default --timing-log-level 0 the step's finer timers, which
-    # synchronize the device, do nothing.
-    timers = Timers(get_args().timing_log_level, get_args().timing_log_option)
-    set_timers(timers)
-    model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
-    config = training.step_config(model, optimizer, timers)
     generator = torch.Generator().manual_seed(1)
-    shape = (args.micro_batch_size, args.seq_length)
     if variable:
         multiple = args.pad_multiple or pad_multiple(get_args())
         pool = variable_length_batches(args, generator, multiple, args.steps)
     else:
-        pool = [{"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
-                 "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
-                 "loss_mask": torch.ones(shape),
-                 "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}]
+        pool = [full_length_batch(args, generator)]
 
     gpu = on_gpu()
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)

@@ -106,24 +106,12 @@ def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
     import pretrain_gpt
     from megatron.core.pipeline_parallel import plan_executor
     from megatron.training import get_args, training
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.timers import Timers, set_timers
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29541"),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     shape_args = argparse.Namespace(**vars(args), micro_batch_size=1, microbatches=1,
                                     warmup=2)
-    initialize_megatron(argv=gpt_step.trainer_argv(shape_args, []))
-    timers = Timers(get_args().timing_log_level, get_args().timing_log_option)
-    set_timers(timers)
-    model, optimizer, scheduler = training.setup_model_and_optimizer(pretrain_gpt.model_provider)
-    config = training.step_config(model, optimizer, timers)
-    shape = (1, args.seq_length)
-    generator = torch.Generator().manual_seed(1)
-    batch = {"tokens": torch.randint(0, args.vocab_size, shape, generator=generator),
-             "labels": torch.randint(0, args.vocab_size, shape, generator=generator),
-             "loss_mask": torch.ones(shape),
-             "position_ids": torch.arange(args.seq_length).expand(shape).contiguous()}
+    model, optimizer, scheduler, config = gpt_step.start_trainer(
+        shape_args, [], port=os.environ.get("MASTER_PORT", "29541"))
+    batch = gpt_step.full_length_batch(shape_args, torch.Generator().manual_seed(1))
 
     def batches():
         while True:

@@ -141,14 +141,15 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         output = fp8_tensorwise.Fp8SequenceParallelMatmul.apply(
             input_, weight, grad_dtype, fuse_wgrad, not emulate, resolve_tp_group(group))
         return output if bias is None else output + bias
-    if sequence_parallel:
+    if sequence_parallel:  # its backward reduce-scatters the input gradient
         input_ = gather_from_sequence_parallel_region(input_, group=group)
-    if tensorwise:  # with allreduce_dgrad, overlapped with the weight gradient
+    reduce_dgrad = allreduce_dgrad and not sequence_parallel
+    if tensorwise:  # the input gradient's all-reduce overlaps the weight gradient
         output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
             input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate,
-            resolve_tp_group(group) if allreduce_dgrad and not sequence_parallel else None)
+            resolve_tp_group(group) if reduce_dgrad else None)
     else:
-        if allreduce_dgrad and not sequence_parallel:
+        if reduce_dgrad:
             input_ = copy_to_tensor_model_parallel_region(input_, group=group)
         # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is
         # the token count, which variable sequence lengths may leave uneven: padded then.

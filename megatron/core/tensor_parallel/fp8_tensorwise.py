@@ -16,7 +16,7 @@ numerics as torchao's tensorwise recipe):
   holding 2 bytes per weight element until the call ends;
 * with ``fuse_wgrad`` (the weight has ``main_grad``: the data-parallel buffers), the weight
   gradient's GEMM writes fp32 straight into ``main_grad`` while it is still zero this step
-  (``weight_grad.into_main_grad``), and is added into it afterwards; autograd gets an unread
+  (``weight_grad.claim_zero_main_grad``), and is added into it afterwards; autograd gets an unread
   gradient that only fires the buffer's hook, as the bf16 path's fused accumulation does.
 
 On a GPU the casts and the GEMMs (``torch._scaled_mm``) of each direction run as one
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.collectives import all_gather_first_dim, all_reduce, \
     group_size, reduce_scatter_first_dim
-from megatron.core.tensor_parallel.weight_grad import added_to_main_grad, into_main_grad, \
+from megatron.core.tensor_parallel.weight_grad import added_to_main_grad, claim_zero_main_grad, \
     weight_grad_for_autograd
 
 _AMAX_FLOOR = 1e-12  # torchao's floor under an amax (an all-zero tensor keeps a finite scale)
@@ -325,12 +325,8 @@ def _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t, input_inverse, fus
     if not fuse_wgrad:
         return gemm(weight.dtype)
     main_grad = weight.main_grad
-
-    def write(overwrite: bool) -> None:
-        if overwrite:  # the GEMM writes it
-            gemm(main_grad.dtype, out=main_grad)
-        else:
-            main_grad.add_(gemm(weight.dtype))
-
-    into_main_grad(weight, write)
+    if claim_zero_main_grad(weight):  # the GEMM writes it
+        gemm(main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(gemm(weight.dtype))
     return added_to_main_grad(weight)

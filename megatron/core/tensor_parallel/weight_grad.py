@@ -3,8 +3,8 @@
 ``accumulate_weight_grad`` is gradient accumulation fusion: the weight-gradient GEMM adds into
 ``weight.main_grad`` directly (fp32 from bf16/fp16 inputs in cuBLAS's epilogue), which saves
 writing, reading and adding a half-precision copy of every gradient; the first GEMM after the
-data-parallel buffer zeroed ``main_grad`` writes it instead (``into_main_grad``), which saves
-reading it too.
+data-parallel buffer zeroed ``main_grad`` writes it instead (``claim_zero_main_grad``), which
+saves reading it too.
 
 Deferral (``defer_embedding_wgrad_compute``): on the last pipeline stage the output layer's
 weight-gradient GEMM (``[tokens, vocab/tp]^T x [tokens, hidden]``) is the largest of a
@@ -23,7 +23,7 @@ only in ``finish_grad_sync``, after the drain.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -54,13 +54,14 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor,
         main_grad.add_(product)
 
 
-def into_main_grad(weight: torch.Tensor, write: Callable[[bool], None]) -> None:
-    """Put a weight gradient into ``weight.main_grad`` by ``write(overwrite)``: overwriting
-    where the data-parallel buffer says nothing went into it since it was zeroed this step
-    (``main_grad_is_zero``, which only that buffer sets: elsewhere the GEMM adds, as
-    upstream's fused accumulation does), which spares the GEMM reading it."""
-    write(getattr(weight, "main_grad_is_zero", False))
+def claim_zero_main_grad(weight: torch.Tensor) -> bool:
+    """Whether ``weight.main_grad`` is still zero this step, so a GEMM about to put a gradient
+    into it may overwrite it instead of adding (sparing the read); it counts as written from
+    now on. Only the data-parallel buffer says it is zero (``main_grad_is_zero``, set when it
+    zeroes); elsewhere the GEMM adds, as upstream's fused accumulation does."""
+    zero = getattr(weight, "main_grad_is_zero", False)
     weight.main_grad_is_zero = False
+    return zero
 
 
 def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -77,8 +78,7 @@ def weight_grad_for_autograd(weight: torch.Tensor, grad_output: torch.Tensor,
     ``fused``, accumulated into ``weight.main_grad`` instead (``added_to_main_grad``)."""
     if not fused:
         return grad_output.t().matmul(input_)
-    into_main_grad(weight, lambda overwrite: accumulate_weight_grad(
-        weight.main_grad, grad_output, input_, overwrite))
+    accumulate_weight_grad(weight.main_grad, grad_output, input_, claim_zero_main_grad(weight))
     return added_to_main_grad(weight)
 
 
@@ -97,8 +97,7 @@ def add_weight_grad(weight: torch.nn.Parameter, grad_output: torch.Tensor, input
     grad_output, input_ = _flat(grad_output), _flat(input_)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None and fused:
-        into_main_grad(weight, lambda overwrite: accumulate_weight_grad(
-            main_grad, grad_output, input_, overwrite))
+        accumulate_weight_grad(main_grad, grad_output, input_, claim_zero_main_grad(weight))
         return
     grad = grad_output.t().matmul(input_)
     if main_grad is not None:
