@@ -68,6 +68,7 @@ from megatron.training.checkpoint.optimizer_state import (
     restore_scheduler,
 )
 from megatron.training.checkpoint.parallel_load import read_once
+from megatron.training.checkpoint.strictness import check_shared_keys
 from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
 from megatron.training.global_vars import get_args
 from megatron.training.utils import print_rank_0
@@ -250,6 +251,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
         return loaded
     common, iteration = source.common, source.iteration
     same_layout = _check_compatible(source.args, args, path)
+    check_shared_keys(source, model, args.dist_ckpt_strictness,
+                      with_optimizer=not (args.finetune or args.no_load_optim))
     load_model_tensors(model, source)
     optimizer.reload_model_params()
     if args.finetune:

@@ -167,7 +167,8 @@ def _startup_items(args, layout: ParallelLayout) -> list[tuple[str, Any]]:
              for name, value in agreement_items(args)]
     items.append(("torch version", torch.__version__))
     items += [(f"process group #{i}", [group.name, list(group.ranks), group.backend])
-              for i, group in enumerate(planned_groups(layout))]
+              for i, group in enumerate(planned_groups(
+                  layout, gloo_data_parallel=args.use_gloo_process_groups))]
     return items
 
 
@@ -207,7 +208,8 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable],
     if parallel_state.model_parallel_is_initialized():
         raise rendezvous.StartupError("model parallel groups already exist: call "
                                       "parallel_state.destroy_model_parallel() first")
-    parallel_state.initialize_model_parallel_from_layout(layout, timeout=training_timeout)
+    parallel_state.initialize_model_parallel_from_layout(
+        layout, timeout=training_timeout, gloo_data_parallel=args.use_gloo_process_groups)
     meeting.agree("created process groups",
                   [(f"process group #{i}", [g.name, list(g.ranks), g.backend])
                    for i, g in enumerate(created_groups())])

@@ -1,6 +1,6 @@
 """The checkpoint flags: --async-save, --ckpt-fully-parallel-save/-load,
 --ckpt-assume-constant-structure, --pretrained-checkpoint, --exit-on-missing-checkpoint,
---no-initialization and the scheduler's resume flags.
+--no-initialization, --dist-ckpt-strictness and the scheduler's resume flags.
 
 On gloo ranks without a model: who writes replicated tensors, reused plans, a background save
 published without a collective, failures and crashes mid-write, reads shared out over a group.
@@ -162,3 +162,38 @@ def test_resume_with_another_lr_names_both_scheduler_flags(data, tmp_path):
     resumed = run(1, small_gpt(data, "--train-iters", "5", "--load", str(tmp_path), "--lr",
                                "1e-3", "--override-opt_param-scheduler"))
     assert sorted(losses(resumed)) == [4, 5]
+
+
+def test_dist_ckpt_strictness_names_the_optimizer_state_a_run_leaves_unread(data, tmp_path):
+    # pp 2: the tensors no rank reads are known only from both stages' weights together.
+    saved = {}
+    for ckpt_format in ("layout_free", "torch_dist"):
+        saved[ckpt_format] = tmp_path / ckpt_format
+        run(2, small_gpt(data, "--train-iters", "4", "--exit-interval", "3",
+                         "--save", str(saved[ckpt_format]),
+                         "--pipeline-model-parallel-size", "2", "--ckpt-format", ckpt_format))
+
+    def resumed(ckpt_format, *extra):
+        return small_gpt(data, "--train-iters", "4", "--load", str(saved[ckpt_format]),
+                         "--pipeline-model-parallel-size", "2", *extra)
+
+    # Everything read: nothing said, even in the strictest mode.
+    output = run(2, resumed("torch_dist", "--dist-ckpt-strictness", "raise_all"))
+    assert "do not match" not in output and losses(output).keys() == {4}
+    output = run(2, resumed("layout_free", "--no-load-optim", "--dist-ckpt-strictness",
+                            "log_all"))
+    warnings = [line for line in output.splitlines() if "do not match" in line]
+    assert len(warnings) == 1, warnings  # said once, by rank 0
+    assert f"WARNING: checkpoint {saved['layout_free']}/iter_0000003 and this run do not " \
+           f"match: " in warnings[0]
+    assert "tensor(s) of the checkpoint that no rank reads: optimizer.state." in warnings[0]
+    assert losses(output).keys() == {4}
+    result = run_script(PRETRAIN, 2, timeout_s=120, args=resumed(
+        "torch_dist", "--no-load-optim", "--dist-ckpt-strictness", "raise_all"))
+    assert result.returncode != 0
+    errors = {line for line in result.stdout.splitlines() if line.startswith("error: ")}
+    assert len(errors) == 1, result.stdout[-3000:]
+    error = errors.pop()
+    assert "no rank reads: optimizer.state." in error and ", ... and " in error
+    assert error.endswith("(--dist-ckpt-strictness raise_all)")
+    assert "Traceback" not in result.stdout and "starting training" not in result.stdout

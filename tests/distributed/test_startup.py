@@ -116,3 +116,13 @@ def test_start_up_inside_an_existing_process_group_seeds_each_stage_differently(
     assert all(r["dp"] == 2 and r["world"] == 4 for r in reports)
     # Data-parallel replicas draw the same numbers; pipeline stages differ.
     assert reports[0]["draw"] == reports[1]["draw"] != reports[2]["draw"] == reports[3]["draw"]
+
+
+def test_disable_gloo_process_groups_leaves_out_the_gloo_twins_on_every_rank():
+    groups = {}
+    for flags in ([], ["--disable-gloo-process-groups"]):
+        reports = [started(o) for o in run_processes([BASE + flags] * 2, timeout_s=90)]
+        assert reports[0]["groups"] == reports[1]["groups"]
+        groups[bool(flags)] = {name for name, _ in reports[0]["groups"]}
+    assert {name for name in groups[False] if name.endswith("_gloo")} == {"dp_gloo", "dp_cp_gloo"}
+    assert groups[True] == {name for name in groups[False] if not name.endswith("_gloo")}

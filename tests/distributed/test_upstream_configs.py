@@ -61,3 +61,8 @@ def check_log(case: str, output: str) -> None:
 @pytest.mark.parametrize("case", sorted(REPRESENTATIVE))
 def test_upstream_ci_configuration_scaled_down_trains(case, data, tmp_path):
     check_log(case, train(case, data, tmp_path))
+    if case.startswith("main_"):  # its save, loaded again under its own checkpoint flags
+        again = train(case, data, tmp_path)
+        assert "loaded upstream torch_dist checkpoint" in again or \
+            "loaded checkpoint from" in again, again[-3000:]
+        assert "do not match" not in again

@@ -1,6 +1,7 @@
 """Upstream Megatron-LM's own GPT CI configurations, scaled down to run in seconds.
 
-A configuration (tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl) keeps every flag it sets
+A configuration (tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl, or later upstream's in
+tests/data/upstream_main/) keeps every flag it sets
 -- parallel layout, precision, schedule, logging, checkpoint format, model features -- except
 the sizes, the paths and the backend: the model shrinks to hidden 64, 4 heads and sequences of
 64 tokens, iterations to 2, the data to the quickstart corpus and its SentencePiece tokenizer,
@@ -15,10 +16,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-_FACTS = Path(__file__).resolve().parents[1] / "data" / "upstream_core_v0_11"
-# Upstream's GPT CI configurations, and the flag set of its examples/gpt3 175B script.
+_DATA = Path(__file__).resolve().parents[1] / "data"
+# Upstream's GPT CI configurations, and the flag set of its examples/gpt3 175B script; later
+# upstream's (main) named "main/<name>".
 CONFIGS = {config["name"]: config for name in ("gpt_ci_configs.jsonl", "examples.jsonl")
-           for config in map(json.loads, (_FACTS / name).open())}
+           for config in map(json.loads, (_DATA / "upstream_core_v0_11" / name).open())}
+CONFIGS.update({f"main/{config['name']}": config for config in map(
+    json.loads, (_DATA / "upstream_main" / "gpt_ci_configs.jsonl").open())})
 
 # What runs here: (configuration, flags added to it, why the flags).
 REPRESENTATIVE = {
@@ -43,6 +47,10 @@ REPRESENTATIVE = {
                                     ()),
     "15b_release_rampup_samples": ("gpt3_15b_8t_release_sm", ()),
     "gpt3_175b_example": ("examples/gpt3/train_gpt3_175b_distributed.sh", ()),
+    # Later upstream's: --dist-ckpt-strictness log_all, background saves, no gloo groups.
+    "main_tp1_pp4_vp1_dist_opt_overlap_log_all": (
+        "main/gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather", ()),
+    "main_tp2_pp2_verify_integrity": ("main/gpt3_mcore_te_tp2_pp2_resume_torch_dist", ()),
 }
 
 # Flags whose values are paths, sizes or the machine's; replaced below.

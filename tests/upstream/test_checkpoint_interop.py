@@ -383,7 +383,8 @@ def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
         spec = MODELS[label.split("/")[0]]
         model, optimizer, scheduler = optimizer_and_scheduler(our_model(spec, 1, pp), distributed)
         set_args(argparse.Namespace(**spec["args"], load=root, ckpt_step=None, finetune=False,
-                                    no_load_optim=False, ckpt_fully_parallel_load=False))
+                                    no_load_optim=False, ckpt_fully_parallel_load=False,
+                                    dist_ckpt_strictness="assume_ok_unexpected"))
         iteration, _ = load_checkpoint([model], optimizer, scheduler)
         found.append((label, iteration, scheduler.num_steps,
                       sorted({group["lr"] for group in optimizer.param_groups}),
@@ -500,7 +501,8 @@ def test_upstream_checkpoint_without_optimizer_state_asks_for_no_load_optim(requ
 
     from megatron.training.checkpoint.upstream_resume import load_upstream_checkpoint
 
-    args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False)
+    args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False,
+                              dist_ckpt_strictness="assume_ok_unexpected")
     root = request.getfixturevalue(saved)
     path = root / "gpt" / fmt / "iter_0000007"
     with pytest.raises(CheckpointError) as raised:
@@ -531,7 +533,8 @@ def test_upstream_legacy_optimizer_state_that_does_not_fit_its_model_asks_for_no
     else:
         group["params"].pop()
     torch.save(state, file)
-    args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False)
+    args = argparse.Namespace(**MODELS["gpt"]["args"], finetune=False, no_load_optim=False,
+                              dist_ckpt_strictness="assume_ok_unexpected")
     with pytest.raises(CheckpointError) as raised:
         load_upstream_checkpoint(None, None, None, str(path), args)
     text = str(raised.value)

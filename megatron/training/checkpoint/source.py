@@ -60,6 +60,10 @@ class CheckpointSource(abc.ABC):
         canonical names (a step count is 0-d); {} if the checkpoint has none."""
         return {}
 
+    def stored_optimizer_keys(self) -> set[str]:
+        """Every ``optimizer_key`` the checkpoint holds a tensor for, readable here or not."""
+        return set(self.optimizer_shapes())
+
     def read_optimizer(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The whole fp32 tensors of ``keys`` (from ``optimizer_shapes``)."""
         raise CheckpointFormatError(self.optimizer_problem())

@@ -241,6 +241,9 @@ class DistSource(CheckpointSource):
             shapes[optimizer_key(STEP, split_optimizer_key(key)[1])] = torch.Size([])
         return shapes
 
+    def stored_optimizer_keys(self) -> set[str]:
+        return set(self._optimizer_regions)
+
     def read_optimizer(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
         steps = {key: torch.tensor(next(iter(self._steps)), dtype=torch.float32)

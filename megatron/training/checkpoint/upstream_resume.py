@@ -39,6 +39,7 @@ from megatron.training.checkpoint.model_shape import shape_difference
 from megatron.training.checkpoint.optimizer_state import restore_optimizer, restore_scheduler
 from megatron.training.checkpoint.rng_state import restore_rng_state
 from megatron.training.checkpoint.source import CheckpointSource
+from megatron.training.checkpoint.strictness import check_shared_keys
 from megatron.training.utils import print_rank_0
 
 
@@ -54,6 +55,7 @@ def load_upstream_checkpoint(model, optimizer, opt_param_scheduler,
         raise CheckpointError(f"checkpoint {path} ({source.format}) is of another model shape: "
                               f"{difference}")
     with_optimizer = not (args.finetune or args.no_load_optim)
+    check_shared_keys(source, model, args.dist_ckpt_strictness, with_optimizer)
     if with_optimizer and not source.optimizer_shapes():
         raise CheckpointError(source.optimizer_problem())
     load_model_tensors(model, source)

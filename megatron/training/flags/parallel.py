@@ -49,6 +49,11 @@ class DistributedArgs:
                                       choices=("nccl", "gloo"))
     distributed_timeout_minutes: int = option(
         10, "timeout of collectives and p2p once training runs")
+    # Later upstream's (not in core 0.11).
+    use_gloo_process_groups: bool = option(
+        True, "create gloo twins of the data-parallel groups, as megatron.core does by default "
+        "(nothing in this tree's training uses them; --disable-gloo-process-groups leaves them "
+        "out)", negative=("--disable-gloo-process-groups",))
     overlap_grad_reduce: bool = option(False, "overlap the data-parallel gradient reduction "
                                        "with the backward pass")
     defer_embedding_wgrad_compute: bool = option(

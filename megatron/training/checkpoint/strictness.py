@@ -1,0 +1,91 @@
+"""``--dist-ckpt-strictness``: what a load does about tensors the checkpoint and the run do not
+share.
+
+The modes are upstream's ``StrictHandling`` (megatron.core.dist_checkpointing.validation), applied
+to the trainer's load of a distributed checkpoint (``torch_dist``, or this tree's layout-free
+format; upstream's legacy ``torch`` files are read as before, as upstream's flag covers only
+distributed checkpoints). Its words: an *unexpected* key is a tensor this rank reads that the
+checkpoint lacks; a *missing* key is a tensor the checkpoint holds that no rank reads (weights of
+layers this model does not have, or all the optimizer state under ``--no-load-optim`` or
+``--finetune``). The tensors compared are the model's weights and, per weight, its optimizer
+state; random-number states are restored or skipped as the checkpoint's layout says.
+
+A model cannot start without its weights, so an unexpected weight stops the load in every mode
+(upstream loads the model strictly after reading the checkpoint, and stops there). The modes
+differ in what is said first and in what missing keys do:
+
+================================  ===================  ==========================================
+mode                              missing keys          unexpected keys
+================================  ===================  ==========================================
+assume_ok_unexpected, ignore_all  not looked for        the load stops at the first
+log_unexpected                    not looked for        all logged, then the load stops
+log_all                           logged                all logged, then the load stops
+raise_unexpected                  not looked for        the load stops naming them all
+raise_all                         stop the load         the load stops naming them all
+================================  ===================  ==========================================
+
+``return_unexpected`` and ``return_all`` give the keys back to the caller of
+``dist_checkpointing.load``; the trainer's load has no caller to give them to, and the flag check
+refuses them.
+"""
+
+from __future__ import annotations
+
+from megatron.core.dist_checkpointing.errors import CheckpointError
+from megatron.core.dist_checkpointing.ranks import from_every_rank
+from megatron.core.dist_checkpointing.upstream_names import to_local
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.training.checkpoint.model_tensors import model_tensors
+from megatron.training.checkpoint.source import CheckpointSource, split_optimizer_key
+from megatron.training.utils import print_rank_0
+
+_SILENT = (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL)
+_WITH_MISSING = (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL)
+_RAISING = (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
+# Keys named in an error; a log names them all, as upstream's does.
+_NAMED_IN_ERROR = 20
+
+
+def check_shared_keys(source: CheckpointSource, model, strictness: str,
+                      with_optimizer: bool) -> None:
+    """Compare the tensors of ``source`` with those this run reads, as ``strictness`` says,
+    before anything is read (collective for log_all and raise_all: every rank's weights)."""
+    strict = StrictHandling(strictness)
+    if strict in _SILENT or source.format == "torch":
+        return
+    here = {to_local(name) for name, _, _ in model_tensors(model)}
+    unexpected = here - set(source.shapes)
+    missing: set[str] = set()
+    if strict in _WITH_MISSING:
+        read = set().union(*from_every_rank(sorted(here)))
+        missing = set(source.shapes) - read
+        missing |= {key for key in source.stored_optimizer_keys()
+                    if not with_optimizer or split_optimizer_key(key)[1] not in read}
+    if not missing and not unexpected:
+        return
+    said = _described(source.path, missing, unexpected,
+                      _NAMED_IN_ERROR if strict in _RAISING else None)
+    if strict in _RAISING:
+        raise CheckpointError(f"{said} (--dist-ckpt-strictness {strict.value})")
+    if missing:
+        print_rank_0(f"WARNING: {_described(source.path, missing, set(), None)}")
+    if unexpected:  # each rank its own
+        print(f"WARNING: {_described(source.path, set(), unexpected, None)}", flush=True)
+
+
+def _described(path: str, missing: set[str], unexpected: set[str], limit) -> str:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) of the checkpoint that no rank reads: "
+                     f"{_listed(missing, limit)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensor(s) this rank reads that the checkpoint lacks: "
+                     f"{_listed(unexpected, limit)}")
+    return f"checkpoint {path} and this run do not match: " + "; ".join(parts)
+
+
+def _listed(keys: set[str], limit) -> str:
+    names = sorted(keys)
+    if limit is None or len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", ... and {len(names) - limit} more"
