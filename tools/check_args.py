@@ -60,7 +60,9 @@ def flag_report(argv: list[str]) -> tuple[list[str], bool]:
             continue
         seen.add(flag)
         if flag in unknown or token in unknown:
-            lines.append(f"  unknown      {flag}: not a flag of upstream Megatron-LM or this tree")
+            lines.append(f"  unknown      {flag}: not a flag of Megatron-LM core 0.11 or of this tree "
+                         f"(later Megatron-LM's are not implemented but for those "
+                         f"docs/flags.md lists)")
             blocked = True
             continue
         field = fields.get(flag)

@@ -40,9 +40,20 @@ __all__ = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line ends in its error line and where to look, not in the
+    usage of all 400-odd flags (which every rank of a launch would print)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            message += ("\n(every flag of Megatron-LM core 0.11 parses here, and a few of later "
+                        "versions: docs/flags.md; python tools/check_args.py <flags> reports "
+                        "them one by one)")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Megatron SafePipe arguments",
-                                     allow_abbrev=False)
+    parser = _Parser(description="Megatron SafePipe arguments", allow_abbrev=False)
     for title, cls in ARGUMENT_GROUPS:
         add_config_arguments(parser, title, cls)
     # Read when the parser is built, as upstream does, not when the flag table was imported.

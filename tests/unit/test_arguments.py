@@ -95,10 +95,19 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism(world):
 
 
 def test_unknown_flags_are_refused_unless_asked(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         parse_args(argv=["--no-such-flag"])
-    assert "--no-such-flag" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2
+    # The error and where to look, not the usage of every flag.
+    assert len(lines) == 2 and lines[0].endswith("error: unrecognized arguments: --no-such-flag")
+    assert "docs/flags.md" in lines[1] and "tools/check_args.py" in lines[1]
     assert parse_args(argv=["--no-such-flag"], ignore_unknown_args=True).seed == 1234
+    with pytest.raises(SystemExit):
+        parse_args(argv=["--num-layers", "two"])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("error: argument --num-layers: invalid int "
+                                                 "value: 'two'")
 
 
 def test_extra_args_provider_and_defaults(world):
