@@ -59,18 +59,21 @@ def test_silent_modes_look_for_nothing(model, mode, capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_log_unexpected_names_what_this_rank_reads_and_the_checkpoint_lacks(model, capsys):
+def test_log_unexpected_names_what_the_run_reads_and_the_checkpoint_lacks_then_stops(model,
+                                                                                   capsys):
     source, _ = _with_mismatches(model)
-    check_shared_keys(source, model, "log_unexpected", with_optimizer=True)
+    with pytest.raises(CheckpointError, match=r"lacks 1 weight\(s\) of this model, logged above"):
+        check_shared_keys(source, model, "log_unexpected", with_optimizer=True)
     out = capsys.readouterr().out
-    assert ("1 tensor(s) this rank reads that the checkpoint lacks: "
+    assert ("1 tensor(s) this run reads that the checkpoint lacks: "
             "decoder.final_layernorm.weight") in out
     assert EXTRA not in out
 
 
 def test_log_all_also_names_what_no_rank_reads(model, capsys):
     source, kept = _with_mismatches(model)
-    check_shared_keys(source, model, "log_all", with_optimizer=True)
+    with pytest.raises(CheckpointError):  # the final norm's weight is still not there
+        check_shared_keys(source, model, "log_all", with_optimizer=True)
     out = capsys.readouterr().out
     # the extra layer's weight and its optimizer state; the kept weight's state is read
     assert (f"2 tensor(s) of the checkpoint that no rank reads: {EXTRA}, "
@@ -79,10 +82,19 @@ def test_log_all_also_names_what_no_rank_reads(model, capsys):
     assert "decoder.final_layernorm.weight" in out
 
 
-def test_without_the_optimizer_its_whole_state_is_unread(model, capsys):
-    source, kept = _with_mismatches(model)
+def test_tensors_no_rank_reads_alone_are_logged_and_the_load_goes_on(model, capsys):
+    names = _names(model)
+    source = Stored({name: torch.Size([1]) for name in names + [EXTRA]},
+                    {optimizer_key("exp_avg", names[0])})
+    check_shared_keys(source, model, "log_all", with_optimizer=True)
+    assert f"1 tensor(s) of the checkpoint that no rank reads: {EXTRA}\n" in \
+        capsys.readouterr().out
+    # without the optimizer, all of its state is unread
     check_shared_keys(source, model, "log_all", with_optimizer=False)
-    assert optimizer_key("exp_avg", kept) in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"2 tensor(s) of the checkpoint that no rank reads: {EXTRA}, " \
+           f"{optimizer_key('exp_avg', names[0])}\n" in out
+    assert "this run reads" not in out
 
 
 @pytest.mark.parametrize("mode, named", [

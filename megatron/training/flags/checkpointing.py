@@ -87,7 +87,7 @@ class CheckpointingArgs:
         "planner caching, where this torch has it), instead of exchanging plans every save")
     dist_ckpt_strictness: str = option(
         "assume_ok_unexpected", "what loading a distributed checkpoint does about tensors it "
-        "and the run do not share: log_unexpected / log_all log those this rank reads that the "
+        "and the run do not share: log_unexpected / log_all log those the run reads that the "
         "checkpoint lacks / and those no rank reads; raise_unexpected / raise_all stop the load "
         "on them instead; assume_ok_unexpected and ignore_all look for none (a weight the "
         "checkpoint lacks stops the load in every mode)",
