@@ -26,14 +26,6 @@ def calculator_from_args(args: argparse.Namespace) -> NumMicroBatchesCalculator:
         args.data_parallel_size, args.decrease_batch_size_if_needed)
 
 
-def ramp_batch_sizes(args: argparse.Namespace) -> list[int]:
-    """Every global batch size the run goes through, smallest first."""
-    if args.rampup_batch_size is None:
-        return [args.global_batch_size]
-    start, increment, _ = (int(value) for value in args.rampup_batch_size)
-    return list(range(start, args.global_batch_size + 1, increment))
-
-
 def iterations_for_samples(train_samples: int, calculator: NumMicroBatchesCalculator) -> int:
     """Iterations that consume ``train_samples`` (upstream's count: the ramp-up phase iteration
     by iteration, then whole batches of the final size)."""
