@@ -370,7 +370,9 @@ def optimizer_pieces(model, optimizer) -> list[tuple]:
 def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
                         roots: dict[str, str]) -> list[tuple]:
     """At tp 1 x pp ``pp`` (data-parallel over the rest): ``load_checkpoint`` of each upstream
-    save root, as ``--load ROOT`` does; this rank's optimizer pieces and scheduler after it."""
+    save root, as ``--load ROOT --dist-ckpt-strictness raise_all`` does (so a tensor of
+    upstream's torch_dist saves that this tree leaves unread stops it); this rank's optimizer
+    pieces and scheduler after it."""
     import argparse
 
     from megatron.core import parallel_state
@@ -384,7 +386,7 @@ def load_optimizer_here(rank: int, world: int, pp: int, distributed: bool,
         model, optimizer, scheduler = optimizer_and_scheduler(our_model(spec, 1, pp), distributed)
         set_args(argparse.Namespace(**spec["args"], load=root, ckpt_step=None, finetune=False,
                                     no_load_optim=False, ckpt_fully_parallel_load=False,
-                                    dist_ckpt_strictness="assume_ok_unexpected"))
+                                    dist_ckpt_strictness="raise_all"))
         iteration, _ = load_checkpoint([model], optimizer, scheduler)
         found.append((label, iteration, scheduler.num_steps,
                       sorted({group["lr"] for group in optimizer.param_groups}),
