@@ -52,6 +52,7 @@ from megatron.training.checkpoint import integrity, legacy_save, pending, save_j
 from megatron.training.checkpoint.dist_save import plan_torch_dist
 from megatron.training.checkpoint.formats import (
     TRACKER,
+    checkpoint_dir,
     detect_format,
     iteration_dir,
     open_checkpoint,
@@ -76,10 +77,6 @@ from megatron.training.utils import print_rank_0
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "data_parallel_size",
                "use_distributed_optimizer", "fp16", "bf16")
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
@@ -114,7 +111,8 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             if first:
                 shutil.rmtree(partial, ignore_errors=True)  # give the space back
             raise save_job.write_error(partial, args.save, failure)
-    job = save_job.SaveJob(partial, final, args.save, iteration, planned)
+    job = save_job.SaveJob(partial, final, args.save, iteration, planned,
+                           args.save_retain_interval)
     if not args.async_save:
         job.run()
         _settle(optimizer)

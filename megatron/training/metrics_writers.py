@@ -58,9 +58,10 @@ class WandbWriter:
         save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
+        entity = {"entity": args.wandb_entity} if args.wandb_entity else {}
         wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir,
                    config={key: _plain(value) for key, value in vars(args).items()
-                           if not callable(value)})
+                           if not callable(value)}, **entity)
         self._samples_logged_at: Optional[int] = None
 
     def add_scalar(self, name: str, value: float, iteration: int,

@@ -1,6 +1,6 @@
 """The checkpoint flags: --async-save, --ckpt-fully-parallel-save/-load,
 --ckpt-assume-constant-structure, --pretrained-checkpoint, --exit-on-missing-checkpoint,
---no-initialization, --dist-ckpt-strictness and the scheduler's resume flags.
+--no-initialization, --dist-ckpt-strictness, --save-retain-interval and the scheduler's resume flags.
 
 On gloo ranks without a model: who writes replicated tensors, reused plans, a background save
 published without a collective, failures and crashes mid-write, reads shared out over a group.
@@ -197,3 +197,13 @@ def test_dist_ckpt_strictness_names_the_optimizer_state_a_run_leaves_unread(data
     assert "no rank reads: optimizer.state." in error and ", ... and " in error
     assert error.endswith("(--dist-ckpt-strictness raise_all)")
     assert "Traceback" not in result.stdout and "starting training" not in result.stdout
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async-save"])
+def test_save_retain_interval_keeps_its_multiples_and_the_latest(background, data, tmp_path):
+    run(2, small_gpt(data, "--train-iters", "5", "--save", str(tmp_path), "--save-interval", "1",
+                     "--save-retain-interval", "2", "--pipeline-model-parallel-size", "2",
+                     *(["--async-save"] if background else [])))
+    assert sorted(name for name in os.listdir(tmp_path) if name.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000005"]
+    assert (tmp_path / TRACKER).read_text() == "5"

@@ -98,6 +98,13 @@ def test_wandb_dir_defaults_under_save(fake_wandb, tmp_path):
     metrics_writers.build_writer(parsed("--wandb-project", "p", "--wandb-exp-name", "r",
                                         "--save", str(tmp_path)))
     assert fake_wandb.calls[0][1]["dir"] == str(tmp_path / "wandb")
+    assert "entity" not in fake_wandb.calls[0][1]  # wandb's default
+
+
+def test_wandb_entity_names_the_team(fake_wandb):
+    metrics_writers.build_writer(parsed("--wandb-project", "p", "--wandb-exp-name", "r",
+                                        "--wandb-entity", "team"))
+    assert fake_wandb.calls[0][1]["entity"] == "team"
 
 
 def test_wandb_still_logs_when_tensorboard_is_missing(fake_wandb, tmp_path, capsys,

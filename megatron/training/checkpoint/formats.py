@@ -37,7 +37,12 @@ def tracked_iteration_dir(root: str) -> Optional[str]:
     if not text.isdigit():
         raise CheckpointFormatError(f"{tracker} should hold an iteration number or "
                                     f"'{RELEASE}', found {text!r}")
-    return os.path.join(root, f"iter_{int(text):07d}")
+    return checkpoint_dir(root, int(text))
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """Where iteration ``iteration`` of ``root`` is saved."""
+    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def iteration_dir(root: str, step: Optional[int]) -> Optional[str]:
@@ -45,7 +50,7 @@ def iteration_dir(root: str, step: Optional[int]) -> Optional[str]:
     (``--ckpt-step``), else the tracked one (None without a tracker)."""
     if step is None:
         return tracked_iteration_dir(root)
-    path = os.path.join(root, f"iter_{step:07d}")
+    path = checkpoint_dir(root, step)
     if not os.path.isdir(path):
         names = os.listdir(root) if os.path.isdir(root) else []
         saved = sorted(int(name[5:]) for name in names

@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.ranks import from_every_rank
 from megatron.core.dist_checkpointing.strategies import dcp_save
 from megatron.training.checkpoint import integrity
-from megatron.training.checkpoint.formats import TRACKER
+from megatron.training.checkpoint.formats import TRACKER, checkpoint_dir
 
 HANDOFF = ".handoff"
 _POLL_S = 0.05
@@ -107,24 +107,49 @@ def write_error(partial: str, root: str, failure: str) -> CheckpointError:
         f"{os.path.join(root, TRACKER)} still names the last complete checkpoint")
 
 
-def publish(partial: str, final: str, root: str, iteration: int) -> None:
-    """Make the checkpoint the latest: rename it into place, then replace the tracker."""
+def publish(partial: str, final: str, root: str, iteration: int,
+            retain_interval: Optional[int] = None) -> None:
+    """Make the checkpoint the latest: rename it into place, then replace the tracker. With
+    ``retain_interval`` (--save-retain-interval), the checkpoint the tracker named before goes
+    then, unless its iteration is a multiple of it or it is a symbolic link."""
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(partial, final)
     tracker = os.path.join(root, TRACKER)
+    previous = _tracked_iteration(tracker) if retain_interval else None
     with open(tracker + ".tmp", "w") as f:
         f.write(str(iteration))
     os.replace(tracker + ".tmp", tracker)
+    if previous is None or previous == iteration or previous % retain_interval == 0:
+        return
+    superseded = checkpoint_dir(root, previous)
+    if os.path.islink(superseded):
+        print(f"  keeping checkpoint {superseded}: a symbolic link", flush=True)
+    elif os.path.isdir(superseded):
+        # Renamed first, so that a crash mid-way leaves no half iteration directory behind.
+        doomed = superseded + ".deleting"
+        os.replace(superseded, doomed)
+        shutil.rmtree(doomed)
+        print(f"  deleted checkpoint {superseded} (--save-retain-interval {retain_interval})",
+              flush=True)
+
+
+def _tracked_iteration(tracker: str) -> Optional[int]:
+    try:
+        with open(tracker) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # none yet, or "release"
+        return None
 
 
 class SaveJob:
     """The DCP files of one checkpoint written, handed over and published (module doc)."""
 
     def __init__(self, partial: str, final: str, root: str, iteration: int,
-                 planned: list[dcp_save.PlannedSave]) -> None:
+                 planned: list[dcp_save.PlannedSave], retain_interval: Optional[int] = None
+                 ) -> None:
         self.partial, self.final, self.root, self.iteration = partial, final, root, iteration
-        self.planned = planned
+        self.planned, self.retain_interval = planned, retain_interval
         self.rank, self.world_size = _rank_and_size()
         self._write_failure: Optional[str] = None
         self._publish_failure: Optional[str] = None
@@ -169,7 +194,7 @@ class SaveJob:
         for name in integrity.list_files(self.partial):  # written since: the .metadata files
             files.setdefault(name, integrity.file_digest(os.path.join(self.partial, name)))
         integrity.write_manifest_file(self.partial, files)
-        publish(self.partial, self.final, self.root, self.iteration)
+        publish(self.partial, self.final, self.root, self.iteration, self.retain_interval)
         print(f"  successfully saved checkpoint at iteration {self.iteration:7d}", flush=True)
 
     def _write(self) -> None:

@@ -133,6 +133,14 @@ def check_model_flags(args: argparse.Namespace) -> None:
 def check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (where to write checkpoints)")
+    retain = args.save_retain_interval
+    if retain is not None:
+        if args.save is None or retain < 1:
+            raise ArgumentError(f"--save-retain-interval {retain} needs --save and a positive "
+                                f"number of iterations")
+        if args.save_interval is not None and retain % args.save_interval:
+            raise ArgumentError(f"--save-retain-interval {retain} must be a multiple of "
+                                f"--save-interval {args.save_interval}")
     if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load and an iteration >= 0")
     if args.async_save and args.save is None:

@@ -97,6 +97,9 @@ class CheckpointingArgs:
         "dist_checkpointing.load, and pretrain_gpt.py's load has none: use log_all or raise_all",
         refuse_if=lambda value: value.startswith("return_"))
     # Later upstream's (not in core 0.11), in most of its GPT CI configurations.
+    save_retain_interval: Optional[int] = option(
+        None, "after each save, delete the checkpoint saved before it unless its iteration is a "
+        "multiple of this (a symbolic link is kept); a multiple of --save-interval")
     dist_ckpt_optim_fully_reshardable: bool = option(
         False, "", accepted="the optimizer state of every checkpoint format here already loads "
         "at any tp x pp x dp layout, with or without --use-distributed-optimizer")

@@ -37,5 +37,8 @@ class LoggingArgs:
     wandb_project: str = option("", "log the same scalars to this wandb project (last rank)")
     wandb_exp_name: str = option("", "wandb run name (needed with --wandb-project)")
     wandb_save_dir: str = option("", "local wandb directory (default: <--save>/wandb)")
+    # Later upstream's (not in core 0.11).
+    wandb_entity: str = option("", "wandb entity (team or user) the run is logged under "
+                               "(default: wandb's)")
     logging_level: Optional[int] = option(None, "Python's root logging level (10 debug, 20 "
                                           "info, ...; default: $MEGATRON_LOGGING_LEVEL)")
