@@ -132,10 +132,12 @@ def _settle(optimizer) -> None:
 
 
 def _remove_partials(root: str) -> None:
-    """Remove what saves that were interrupted (a crash, a kill) left behind."""
+    """Remove what saves and deletions (--save-retain-interval) that were interrupted (a
+    crash, a kill) left behind."""
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if name.startswith("iter_") and name.endswith(".partial"):
-            print(f"removing {os.path.join(root, name)}, left by an interrupted save", flush=True)
+        if name.startswith("iter_") and name.endswith((".partial", save_job.DELETING)):
+            print(f"removing {os.path.join(root, name)}, left by an interrupted save or "
+                  f"deletion", flush=True)
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

@@ -65,3 +65,22 @@ def test_the_interval_is_checked_against_the_save_flags(argv, message, monkeypat
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ArgumentError, match=message):
         validate_args(parse_args(argv=["--distributed-backend", "gloo", *argv]))
+
+
+def test_a_failed_deletion_only_warns(tmp_path, capsys, monkeypatch):
+    _save(tmp_path, 3, retain=2)
+    monkeypatch.setattr("shutil.rmtree", lambda path: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", path)))
+    _save(tmp_path, 4, retain=2)  # published all the same
+    assert (tmp_path / TRACKER).read_text() == "4"
+    assert "WARNING: could not delete checkpoint" in capsys.readouterr().out
+
+
+def test_the_next_save_removes_what_an_interrupted_deletion_left(tmp_path, capsys):
+    from megatron.training.checkpointing import _remove_partials
+
+    (tmp_path / "iter_0000001.deleting" / "model").mkdir(parents=True)  # a crash mid-way
+    (tmp_path / "iter_0000002").mkdir()
+    _remove_partials(str(tmp_path))
+    assert _kept(tmp_path) == ["iter_0000002"]
+    assert "left by an interrupted save or deletion" in capsys.readouterr().out

@@ -39,6 +39,7 @@ from megatron.training.checkpoint import integrity
 from megatron.training.checkpoint.formats import TRACKER, checkpoint_dir
 
 HANDOFF = ".handoff"
+DELETING = ".deleting"  # a superseded checkpoint on its way out (--save-retain-interval)
 _POLL_S = 0.05
 
 
@@ -120,18 +121,33 @@ def publish(partial: str, final: str, root: str, iteration: int,
     with open(tracker + ".tmp", "w") as f:
         f.write(str(iteration))
     os.replace(tracker + ".tmp", tracker)
+    if retain_interval:
+        _prune(root, previous, iteration, retain_interval)
+
+
+def _prune(root: str, previous: Optional[int], iteration: int, retain_interval: int) -> None:
+    """Delete the checkpoint ``iteration`` superseded (``previous``) unless it is to be
+    retained. The new checkpoint is published already, so a failure here is a warning, not a
+    failed save."""
     if previous is None or previous == iteration or previous % retain_interval == 0:
         return
     superseded = checkpoint_dir(root, previous)
     if os.path.islink(superseded):
         print(f"  keeping checkpoint {superseded}: a symbolic link", flush=True)
-    elif os.path.isdir(superseded):
-        # Renamed first, so that a crash mid-way leaves no half iteration directory behind.
-        doomed = superseded + ".deleting"
-        os.replace(superseded, doomed)
-        shutil.rmtree(doomed)
-        print(f"  deleted checkpoint {superseded} (--save-retain-interval {retain_interval})",
-              flush=True)
+        return
+    if not os.path.isdir(superseded):
+        return
+    try:
+        # Renamed first, so that a crash mid-way leaves no half iteration directory (the next
+        # save's preparation removes what it leaves).
+        os.replace(superseded, superseded + DELETING)
+        shutil.rmtree(superseded + DELETING)
+    except OSError as error:
+        print(f"  WARNING: could not delete checkpoint {superseded} (--save-retain-interval "
+              f"{retain_interval}): {error}", flush=True)
+        return
+    print(f"  deleted checkpoint {superseded} (--save-retain-interval {retain_interval})",
+          flush=True)
 
 
 def _tracked_iteration(tracker: str) -> Optional[int]:

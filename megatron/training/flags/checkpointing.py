@@ -96,7 +96,7 @@ class CheckpointingArgs:
         refused="return_unexpected and return_all give the keys to a caller of "
         "dist_checkpointing.load, and pretrain_gpt.py's load has none: use log_all or raise_all",
         refuse_if=lambda value: value.startswith("return_"))
-    # Later upstream's (not in core 0.11), in most of its GPT CI configurations.
+    # Later upstream's (not in core 0.11), set by its GPT CI configurations.
     save_retain_interval: Optional[int] = option(
         None, "after each save, delete the checkpoint saved before it unless its iteration is a "
         "multiple of this (a symbolic link is kept); a multiple of --save-interval")
