@@ -123,6 +123,8 @@ def _fill_model_defaults(args: argparse.Namespace) -> None:
             args.ffn_hidden_size = 4 * args.hidden_size
     if args.micro_batch_size is not None and args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
 
 
 _REQUIRED_FOR_TRAINING = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",

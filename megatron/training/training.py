@@ -211,8 +211,9 @@ def _start_p2p_diagnostics(args) -> None:
 
 
 def eval_num_microbatches(args) -> int:
-    """Evaluation always runs whole global batches of the final size, as upstream's."""
-    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    """Evaluation runs whole batches of --eval-global-batch-size (default: the final global
+    batch size, as upstream's), whatever the ramp-up."""
+    return args.eval_global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
 def _device(args) -> torch.device:
@@ -311,8 +312,8 @@ def build_train_valid_test_data_iterators(provider: Callable, consumed_samples: 
     args = get_args()
     eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     sizes = [train_samples(args),
-             eval_runs * args.eval_iters * args.global_batch_size,
-             args.eval_iters * args.global_batch_size]
+             eval_runs * args.eval_iters * args.eval_global_batch_size,
+             args.eval_iters * args.eval_global_batch_size]
     train_set, valid_set, test_set = provider(sizes)
     pad_id = _padding_token(get_tokenizer())
     loaders = [build_data_loader(train_set, consumed_samples, args, pad_id=pad_id),
@@ -482,7 +483,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
         chunk.eval()
     totals: dict[str, float] = {}
     if verbose:
-        print_rank_0(f"Evaluating on {args.eval_iters * args.global_batch_size} samples")
+        print_rank_0(f"Evaluating on {args.eval_iters * args.eval_global_batch_size} samples")
     timed_config, config.timers = config.timers, None  # evaluation is not training time
     try:
         with torch.no_grad():

@@ -228,3 +228,12 @@ def test_missing_logging_packages_warn_once_and_training_goes_on(data, tmp_path)
     assert result.stdout.index("WARNING: --tensorboard-dir") < \
         result.stdout.index("number of parameters")
     assert sorted(losses(result.stdout)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("extra,samples", [([], 16), (["--eval-global-batch-size", "4"], 8)])
+def test_evaluation_runs_batches_of_eval_global_batch_size(extra, samples, data):
+    # Global batch 8 (micro-batch 2, dp 1 at pp 2): 2 evaluation iterations of 8 or of 4.
+    output = run(2, small_gpt(data, "--train-iters", "3", "--eval-interval", "3", "--eval-iters",
+                              "2", "--pipeline-model-parallel-size", "2", *extra))
+    assert output.count(f"Evaluating on {samples} samples") == 2  # validation and test
+    assert "validation loss at iteration 3 on test set" in output

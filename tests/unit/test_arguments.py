@@ -192,6 +192,21 @@ def test_training_needs_its_flags(world):
                                 "--vocab-size", "64"))
     with pytest.raises(ArgumentError, match="--global-batch-size 6 is not a multiple"):
         validate_training_args(args)
+    training = ("--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+                "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "3", "--lr",
+                "1e-3", "--mock-data", "--vocab-size", "64")
+    args = validate_args(parsed(*training, "--global-batch-size", "8"))
+    assert args.eval_global_batch_size == 8  # evaluation's follows the global batch size
+    validate_training_args(args)
+    args = validate_args(parsed(*training, "--global-batch-size", "8",
+                                "--eval-global-batch-size", "6"))
+    with pytest.raises(ArgumentError, match="--eval-global-batch-size 6 is not a multiple of "
+                                            "--micro-batch-size 2 x data-parallel size 2 = 4"):
+        validate_training_args(args)
+    # By default evaluation takes the global batch size as the training does, rounded down
+    # with --decrease-batch-size-if-needed.
+    validate_training_args(validate_args(parsed(*training, "--global-batch-size", "6",
+                                                "--decrease-batch-size-if-needed")))
 
 
 def test_fusion_flags_select_the_fusions_as_upstream(world):

@@ -43,7 +43,7 @@ def check_schedule(args: argparse.Namespace) -> None:
 
 def check_batch_sizes(args: argparse.Namespace) -> None:
     """Every global batch size of the run (the ramp's too) splits into whole microbatch steps,
-    unless --decrease-batch-size-if-needed rounds them down."""
+    unless --decrease-batch-size-if-needed rounds them down; so does --eval-global-batch-size."""
     per_step = args.micro_batch_size * args.data_parallel_size
     batches = [args.global_batch_size]
     if args.rampup_batch_size is not None:
@@ -63,6 +63,11 @@ def check_batch_sizes(args: argparse.Namespace) -> None:
                 f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = "
                 f"{per_step}" + ("" if batch < per_step else
                                  " (--decrease-batch-size-if-needed rounds it down)"))
+    evaluated = args.eval_global_batch_size  # the global one's, checked above, by default
+    if evaluated != args.global_batch_size and (evaluated < per_step or evaluated % per_step):
+        raise ArgumentError(f"--eval-global-batch-size {evaluated} is not a multiple of "
+                            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                            f"{args.data_parallel_size} = {per_step}")
 
 
 def check_learning_rate_schedule(args: argparse.Namespace) -> None:

@@ -174,6 +174,10 @@ class LearningRateArgs:
 class ValidationArgs:
     eval_iters: int = option(100, "iterations per evaluation")
     eval_interval: int = option(1000, "iterations between evaluations")
+    # Later upstream's (not in core 0.11).
+    eval_global_batch_size: Optional[int] = option(
+        None, "samples per evaluation iteration (default: --global-batch-size); a multiple of "
+        "--micro-batch-size x data-parallel size")
     test_mode: bool = option(False, "check at every attention forward that the q/k layernorm "
                              "weights (--qk-layernorm) are identical on all tensor- and "
                              "data-parallel ranks")
