@@ -21,7 +21,7 @@ from megatron.training import get_args, get_timers, get_tokenizer
 from megatron.training.config_builders import core_transformer_config_from_args
 from megatron.training.data_sources import get_blend_and_blend_per_split
 from megatron.training.training import pretrain
-from megatron.training.utils import print_rank_0
+from megatron.training.utils import get_batch_on_this_cp_rank, print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
@@ -51,7 +51,8 @@ def get_batch(data_iterator):
         return None, None, None, None, None
     batch = next(data_iterator)
     device = torch.cuda.current_device() if get_args().distributed_backend == "nccl" else "cpu"
-    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    batch = get_batch_on_this_cp_rank(
+        {key: value.to(device, non_blocking=True) for key, value in batch.items()})
     return (batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"),
             batch["position_ids"])
 
@@ -60,11 +61,17 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """The loss over the tokens that count: their mean, or with --calculate-per-token-loss their
     sum and count (the schedule then divides by the global batch's tokens). The report is the
     sum and count, as upstream's, so the logged loss is the mean over the global batch's
-    tokens."""
+    tokens.
+
+    With context parallelism this rank holds part of each sequence: the mean divides by the
+    count over the context-parallel group, times its size because data-parallel gradient
+    averaging divides by data x context ranks; per token, each rank's own sum and count are
+    right as they are (the gradients and counts are summed over both)."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss_sum = torch.sum(losses * mask)
     count = mask.sum()
+    cp_size = parallel_state.get_context_parallel_world_size()
     if get_args().check_for_nan_in_loss_and_grad and torch.isnan(loss_sum).item():
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         raise RuntimeError(
@@ -74,6 +81,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     report = {"lm loss": torch.stack([loss_sum.detach(), count])}
     if get_args().calculate_per_token_loss:
         return loss_sum, count.to(torch.int), report
+    if cp_size > 1:
+        sequence_count = count.clone()
+        torch.distributed.all_reduce(sequence_count,
+                                     group=parallel_state.get_context_parallel_group())
+        return loss_sum * cp_size / sequence_count.clamp(min=1.0), report
     return loss_sum / count.clamp(min=1.0), report
 
 

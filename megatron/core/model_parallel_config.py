@@ -8,6 +8,7 @@ accepted only at their neutral value; see ``UNSUPPORTED_FEATURES``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
@@ -27,12 +28,6 @@ class UnsupportedFeature:
 
 # Field -> why this tree rejects a non-neutral value. Remove an entry once the feature exists.
 UNSUPPORTED_FEATURES: dict[str, UnsupportedFeature] = {
-    "context_parallel_size": UnsupportedFeature(
-        "context parallelism (sharding the sequence across ranks) is not implemented; keep it 1"
-    ),
-    "hierarchical_context_parallel_sizes": UnsupportedFeature(
-        "context parallelism is not implemented; keep it None"
-    ),
     "expert_model_parallel_size": UnsupportedFeature(
         "mixture-of-experts layers are not implemented; keep it 1"
     ),
@@ -288,6 +283,10 @@ class ModelParallelConfig:
                 f"got pipeline_model_parallel_size={pp}: interleaving needs at least two pipeline "
                 "stages"
             )
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is not None and math.prod(sizes) != self.context_parallel_size:
+            raise ValueError(f"hierarchical_context_parallel_sizes={sizes} must multiply to "
+                             f"context_parallel_size={self.context_parallel_size}")
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_model_parallel_size > 1, got "

@@ -73,6 +73,10 @@ def core_transformer_config_from_args(args: argparse.Namespace,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        # As upstream: one value for every layer, or one per layer.
+        cp_comm_type=(args.cp_comm_type[0] if len(args.cp_comm_type) == 1
+                      else list(args.cp_comm_type)),
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         sequence_parallel=args.sequence_parallel,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         fp16=args.fp16,

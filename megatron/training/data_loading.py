@@ -80,9 +80,12 @@ def collate(samples: list[dict], *, pad_id: int, multiple_of: int = 1,
 def pad_multiple(args) -> int:
     """What a variable-length microbatch's length is rounded up to: the
     ``--variable-seq-length-multiple`` bucket, and a multiple of the tensor-parallel size
-    under sequence parallelism (which splits the sequence over those ranks)."""
-    return math.lcm(args.variable_seq_length_multiple,
-                    args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    under sequence parallelism (which splits the sequence over those ranks), of two chunks per
+    context-parallel rank under context parallelism, and of both together."""
+    unit = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    if args.context_parallel_size > 1:
+        unit = args.context_parallel_size * math.lcm(2, unit)
+    return math.lcm(args.variable_seq_length_multiple, unit)
 
 
 def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> Optional[

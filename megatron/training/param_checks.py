@@ -63,7 +63,8 @@ def calc_params_l2_norm(model, force_create_fp32_copy: bool = False) -> float:
     norm_2 = _sum_of_squares(replicated, device)
     if any_sharded:  # the same on every data-parallel replica, so all of them join
         pieces = _sum_of_squares(sharded, device)
-        dist.all_reduce(pieces, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(pieces, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
         norm_2 += pieces
     dist.all_reduce(norm_2, group=parallel_state.get_model_parallel_group())
     return norm_2.item() ** 0.5
@@ -86,7 +87,7 @@ def check_weights_agree_across_dp_replicas(model: list, iteration: int) -> None:
     raise ``WeightHashMismatch`` on every rank (all stop at the same iteration), naming the
     ranks; else print upstream's confirmation line. A collective of all ranks."""
     names, local = _param_hashes(model)
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     device = collective_device(group)
     gathered = [torch.empty_like(local, device=device)
                 for _ in range(dist.get_world_size(group))]

@@ -387,8 +387,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
 def _average_reports(reports: list) -> dict[str, float]:
     """Each reported value over the microbatches (last pipeline stage; {} elsewhere): a
-    ``(sum, count)`` pair is summed over microbatches and data-parallel ranks, then divided,
-    as upstream does; a plain value is averaged over the microbatches."""
+    ``(sum, count)`` pair is summed over microbatches and data- and context-parallel ranks,
+    then divided, as upstream does; a plain value is averaged over the microbatches."""
     if not reports or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
     averaged = {}
@@ -397,7 +397,8 @@ def _average_reports(reports: list) -> dict[str, float]:
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0)
             if dist.is_initialized():
-                dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+                dist.all_reduce(total, group=parallel_state.get_data_parallel_group(
+                    with_context_parallel=True))
             averaged[key] = float(total[0] / total[1].clamp(min=1.0))
         else:
             averaged[key] = float(sum(values)) / len(values)

@@ -51,6 +51,12 @@ REPRESENTATIVE = {
     "main_tp1_pp4_vp1_dist_opt_overlap_log_all": (
         "main/gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather", ()),
     "main_tp2_pp2_verify_integrity": ("main/gpt3_mcore_te_tp2_pp2_resume_torch_dist", ()),
+    # Context parallelism: with tensor parallelism, and cp 4 as 2 x 2 (a2a+p2p) at pp 2.
+    "tp2_pp1_cp2": ("gpt3_mr_mcore_te_tp2_pp1_cp2_nondeterministic_dgx_a100_1N8G", ()),
+    "tp1_pp2_cp4_a2a_p2p": ("gpt3_mr_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic_dgx_a100_1N8G",
+                            ()),
+    "main_tp2_pp2_cp2_per_token_loss": (
+        "main/gpt3_mcore_te_tp2_pp2_cp2_calculate_per_token_loss", ()),
 }
 
 # Flags whose values are paths, sizes or the machine's; replaced below.
@@ -97,7 +103,8 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
     flags = _split(config["argv"])
     value = lambda flag, default: int(flags.get(flag, [default])[0])  # noqa: E731
     tp, pp = value("--tensor-model-parallel-size", 1), value("--pipeline-model-parallel-size", 1)
-    dp = max(1, _WORLD // (tp * pp))
+    cp = value("--context-parallel-size", 1)  # kept: its sizes are what the case is about
+    dp = max(1, _WORLD // (tp * pp * cp))
     micro = value("--micro-batch-size", 1)
     microbatches = min(8, value("--global-batch-size", micro * dp) // (micro * dp))
     instances = value("--num-distributed-optimizer-instances", 1)
@@ -105,7 +112,7 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
     # ranks in all (two cores run them): tensor parallelism gives way first.
     new_dp = max(min(dp, 2), instances) if _DATA_PARALLEL_FLAGS & flags.keys() else 1
     new_tp, new_pp = min(tp, 4), min(pp, 4)
-    while new_tp * new_pp * new_dp > _MAX_RANKS and new_tp > 1:
+    while new_tp * new_pp * new_dp * cp > _MAX_RANKS and new_tp > 1:
         new_tp //= 2
     layers = value("--num-layers", 4)
     argv = [word for flag, values in flags.items() if flag not in _REPLACED
@@ -143,4 +150,4 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
         # Upstream's CI pins Tree; NCCL 2.28 has no Tree broadcast or all-gather (pretrain_gpt
         # refuses it there, naming Ring), and Ring is as deterministic.
         env["NCCL_ALGO"] = "Ring"
-    return ScaledRun(argv, new_tp * new_pp * new_dp, env)
+    return ScaledRun(argv, new_tp * new_pp * new_dp * cp, env)

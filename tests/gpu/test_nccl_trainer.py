@@ -3,9 +3,10 @@
 The small GPT of ``tests/distributed/test_trainer.py`` (fp32, no dropout, CPU initialisation, so
 every layout starts from the same weights) trained for 12 iterations at pp 2 x vpp 2 with
 variable lengths and batched p2p, pp 4, tp 2 x pp 2 x vpp 2 with variable lengths and sequence
-parallelism (overlapped p2p), and dp 2 with the distributed optimizer; every loss is compared
-with the same flags on one process. Then both ``examples/gpt3_7b`` scripts, scaled down, on
-four one-GPU "nodes" that each start torchrun themselves, as on a cluster.
+parallelism (overlapped p2p), dp 2 with the distributed optimizer, and context parallelism
+(with tp 2 and sequence parallelism; with pp 2 and the distributed optimizer over cp); every
+loss is compared with the same flags on one process. Then both ``examples/gpt3_7b`` scripts,
+scaled down, on four one-GPU "nodes" that each start torchrun themselves, as on a cluster.
 """
 
 import os
@@ -38,6 +39,11 @@ LAYOUTS = {
             "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
             "--variable-seq-lengths"]),
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    "tp2-cp2-sequence-parallel": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--context-parallel-size", "2"]),
+    "pp2-cp2-distributed-optimizer": (4, ["--pipeline-model-parallel-size", "2",
+                                          "--context-parallel-size", "2",
+                                          "--use-distributed-optimizer"]),
 }
 
 

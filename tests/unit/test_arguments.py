@@ -74,6 +74,26 @@ def test_virtual_pipeline_size_is_derived_as_upstream(world, argv, vpp):
      "needs --pipeline-model-parallel-size >= 2"),
     (1, ["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1"),
     (1, ["--distributed-startup-timeout-seconds", "0"], "must be positive"),
+    (4, ["--expert-tensor-parallel-size", "8"],
+     "--expert-tensor-parallel-size 8 x --pipeline-model-parallel-size 1 must divide"),
+    (2, ["--context-parallel-size", "2", "--seq-length", "30"],
+     "--seq-length 30 must be a multiple of 4 with --context-parallel-size 2"),
+    (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--seq-length", "34"],
+     "--seq-length 34 must be a multiple of 4 with --context-parallel-size 2 and sequence "
+     "parallelism"),
+    (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "3",
+         "--sequence-parallel", "--seq-length", "24"], "not divisible"),
+    (2, ["--context-parallel-size", "2", "--seq-length", "32", "--reset-attention-mask"],
+     "--reset-attention-mask builds an attention mask per batch"),
+    (4, ["--context-parallel-size", "4", "--seq-length", "32", "--cp-comm-type", "a2a+p2p"],
+     "--cp-comm-type a2a\\+p2p needs --hierarchical-context-parallel-sizes"),
+    (4, ["--context-parallel-size", "4", "--seq-length", "32", "--cp-comm-type", "a2a+p2p",
+         "--hierarchical-context-parallel-sizes", "2", "3"], "must multiply to"),
+    (2, ["--context-parallel-size", "2", "--seq-length", "32", "--cp-comm-type", "ring"],
+     "--cp-comm-type ring: one of p2p, all_gather, a2a, a2a"),
+    (2, ["--context-parallel-size", "2", "--seq-length", "32", "--num-layers", "3",
+         "--cp-comm-type", "p2p", "a2a"], "one value or one per layer"),
 ])
 def test_inconsistent_flags_are_named(world, size, argv, message):
     world(size)

@@ -28,10 +28,15 @@ def test_microbatch_length(lengths, multiple, expected):
         assert (batch["tokens"][row, length:] == 0).all()
 
 
-@pytest.mark.parametrize("multiple,tp,sp,expected", [
-    (1, 4, True, 4), (64, 4, True, 64), (64, 3, True, 192), (64, 4, False, 64), (1, 2, False, 1),
+@pytest.mark.parametrize("multiple,tp,sp,cp,expected", [
+    (1, 4, True, 1, 4), (64, 4, True, 1, 64), (64, 3, True, 1, 192), (64, 4, False, 1, 64),
+    (1, 2, False, 1, 1),
+    # Two chunks per context-parallel rank, each split again by sequence parallelism.
+    (1, 1, False, 2, 4), (1, 2, True, 2, 4), (1, 3, True, 2, 12), (8, 4, False, 4, 8),
 ])
-def test_pad_multiple_keeps_sequence_parallel_splittable(multiple, tp, sp, expected):
+def test_pad_multiple_keeps_sequence_and_context_parallel_splittable(multiple, tp, sp, cp,
+                                                                     expected):
     args = types.SimpleNamespace(variable_seq_length_multiple=multiple,
-                                 tensor_model_parallel_size=tp, sequence_parallel=sp)
+                                 tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                 context_parallel_size=cp)
     assert pad_multiple(args) == expected

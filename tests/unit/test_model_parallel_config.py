@@ -149,6 +149,8 @@ def test_interleaving_at_pp2_with_variable_lengths_and_batched_p2p_is_allowed():
         (dict(tensor_model_parallel_size=0), ["tensor_model_parallel_size"]),
         (dict(pipeline_model_parallel_size=-1), ["pipeline_model_parallel_size"]),
         (dict(context_parallel_size=0), ["context_parallel_size"]),
+        (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 3]),
+         ["hierarchical_context_parallel_sizes", "context_parallel_size=4"]),
         (dict(expert_model_parallel_size=0), ["expert_model_parallel_size"]),
         (dict(expert_tensor_parallel_size=0), ["expert_tensor_parallel_size"]),
         (dict(tensor_model_parallel_size=2.0), ["tensor_model_parallel_size"]),
@@ -186,8 +188,6 @@ def test_invalid_settings_are_rejected_with_named_fields(kwargs, fields_in_messa
 
 # One non-neutral value per unsupported field.
 UNSUPPORTED_VALUES = {
-    "context_parallel_size": 2,
-    "hierarchical_context_parallel_sizes": [2, 2],
     "expert_model_parallel_size": 2,
     "expert_tensor_parallel_size": 2,
     "moe_extended_tp": True,
@@ -223,8 +223,9 @@ def test_replace_revalidates():
         dataclasses.replace(valid, fp16=True)
     with pytest.raises(ValueError, match="pipeline_dtype"):
         dataclasses.replace(valid, pipeline_dtype=None)
-    with pytest.raises(ValueError, match="context_parallel_size"):
-        dataclasses.replace(valid, context_parallel_size=2)
+    with pytest.raises(ValueError, match="hierarchical_context_parallel_sizes"):
+        dataclasses.replace(valid, context_parallel_size=2,
+                            hierarchical_context_parallel_sizes=[2, 2])
 
 
 def test_replace_of_a_source_needs_the_derived_field_reset():

@@ -134,13 +134,19 @@ def _allreduce_shared_embedding_grads(marked: list[_Marked], embedding_group: An
     _all_reduce_coalesced(grads, group)
 
 
+def _data_and_context_parallel_group() -> Any:
+    # The ranks that hold the same weights: data-parallel replicas and, within each, the
+    # context-parallel ranks that see other parts of the same sequences.
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
 def _finish_data_parallel_sync(model, dp_group: Any) -> None:
     for index, chunk in enumerate(model):
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
             finish()
             continue
-        group = resolve_group(dp_group, parallel_state.get_data_parallel_group)
+        group = resolve_group(dp_group, _data_and_context_parallel_group)
         if not group.is_trivial:
             raise TypeError(
                 f"model chunk {index} ({type(chunk).__name__}) has no finish_grad_sync(); with "
@@ -162,7 +168,8 @@ def _scale_all_grads(model, scaling: float) -> None:
 
 def _global_token_count(num_tokens: torch.Tensor, pp_group: CollectiveGroup,
                         dp_group: CollectiveGroup) -> torch.Tensor:
-    # Only the last pipeline stage computed the loss, so only it knows the count.
+    # Only the last pipeline stage computed the loss, so only it knows the count; each data-
+    # and context-parallel rank counted its own tokens.
     pp_group.broadcast(num_tokens, src_group_rank=pp_group.size - 1)
     dp_group.all_reduce(num_tokens)
     return num_tokens
@@ -201,7 +208,7 @@ def finalize_model_grads(
 
     if num_tokens is not None:
         pp = resolve_group(pp_group, parallel_state.get_pipeline_model_parallel_group)
-        dp = resolve_group(dp_group, parallel_state.get_data_parallel_group)
+        dp = resolve_group(dp_group, _data_and_context_parallel_group)
         total = _global_token_count(num_tokens, pp, dp)
         count = total.item()
         if count > 0:

@@ -15,6 +15,10 @@ kernels on CUDA for fp16/bf16). A given mask is taken as the complete truth (it 
 contain the causal part, as megatron's data loaders build it). :func:`drop_causal_mask` lets
 the transformer block replace a mask that is exactly causal by None once per forward, so the
 fast path is kept for data loaders that always build one.
+
+With ``config.context_parallel_size`` > 1 the local queries are this rank's two chunks of the
+sequence; keys and values are gathered from the context-parallel group and each chunk attends
+to the keys up to its own end (see :mod:`~megatron.core.transformer.context_parallel`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.context_parallel import (
+    CP_COMM_TYPES, chunk_positions, gathered_key_value,
+)
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.unfused_attention import unfused_attention
@@ -60,6 +69,12 @@ def drop_causal_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.T
     return None if bool((attention_mask == future).all()) else attention_mask
 
 
+def _describe(sdpa_mask) -> str:
+    if sdpa_mask is None:
+        return "no"
+    return "a lower-right causal" if isinstance(sdpa_mask, CausalBias) else "an explicit"
+
+
 class DotProductAttention(MegatronModule):
     """softmax(q k^T * scale [+ mask]) v with dropout, for this rank's heads.
 
@@ -75,8 +90,9 @@ class DotProductAttention(MegatronModule):
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  tp_group: Any = None) -> None:
         super().__init__(config=config)
-        if cp_comm_type is not None:
-            raise ValueError("cp_comm_type is not supported: context parallelism is not implemented")
+        if cp_comm_type is not None and cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type={cp_comm_type!r}: one of {', '.join(CP_COMM_TYPES)}")
         if attention_type not in ("self", "cross"):
             raise ValueError(f"attention_type={attention_type!r} is not supported; 'self' or "
                              f"'cross'")
@@ -124,20 +140,68 @@ class DotProductAttention(MegatronModule):
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             rng = get_cuda_rng_tracker().fork()
         with rng:
-            if self.attention_backend == AttnBackend.unfused:
-                context = unfused_attention(
-                    q, k, v, attention_mask, causal=causal, softmax_scale=self.softmax_scale,
-                    layer_scaling_coeff=self.layer_scaling_coeff,
-                    softmax_in_fp32=self.config.attention_softmax_in_fp32, dropout_p=dropout_p,
-                )
+            if self.config.context_parallel_size > 1:
+                context = self._context_parallel(q, k, v, attention_mask, causal, dropout_p)
             else:
-                context = self._sdpa(q, k, v, attention_mask, causal, dropout_p)
+                context = self._attend(q, k, v, attention_mask, causal, dropout_p)
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * head_dim)
 
-    def _sdpa(self, q, k, v, attention_mask, causal: bool, dropout_p: float) -> torch.Tensor:
+    def _attend(self, q, k, v, attention_mask, causal: bool, dropout_p: float,
+                lower_right: bool = False) -> torch.Tensor:
+        """``lower_right``: causal with the last query aligned to the last key (queries that
+        continue a longer sequence of keys), for fewer queries than keys."""
+        if self.attention_backend == AttnBackend.unfused:
+            if lower_right:
+                sq, sk = q.size(2), k.size(2)
+                attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(
+                    sk - sq + 1)
+                causal = False
+            return unfused_attention(
+                q, k, v, attention_mask, causal=causal, softmax_scale=self.softmax_scale,
+                layer_scaling_coeff=self.layer_scaling_coeff,
+                softmax_in_fp32=self.config.attention_softmax_in_fp32, dropout_p=dropout_p,
+            )
+        if lower_right:
+            # A causal bias, which SDPA runs on its flash and memory-efficient kernels, unlike
+            # a bool mask.
+            return self._sdpa(q, k, v, causal_lower_right(q.size(2), k.size(2)), False,
+                              dropout_p)
+        return self._sdpa(q, k, v, None if attention_mask is None else ~attention_mask, causal,
+                          dropout_p)
+
+    def _context_parallel(self, q, k, v, attention_mask, causal: bool, dropout_p: float
+                          ) -> torch.Tensor:
+        """Attention of this rank's two chunks of queries over the whole sequence's keys (see
+        :mod:`~megatron.core.transformer.context_parallel`)."""
+        if attention_mask is not None:
+            raise ValueError("an explicit attention mask (--reset-attention-mask, a data "
+                             "loader's mask) is not supported with context parallelism")
+        group = parallel_state.get_context_parallel_group()
+        cp_rank = parallel_state.get_context_parallel_rank()
+        cp_size = parallel_state.get_context_parallel_world_size()
+        # [b, h, s, d] -> sequence-first for the gather and back, then into global order.
+        k, v = (t.permute(1, 2, 0, 3) for t in gathered_key_value(
+            k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), group))
+        local = q.size(2)
+        order = torch.argsort(torch.cat([chunk_positions(local, rank, cp_size, q.device)
+                                         for rank in range(cp_size)]))
+        k, v = k.index_select(2, order), v.index_select(2, order)
+        if not causal:
+            return self._attend(q, k, v, None, False, dropout_p)
+        # Chunk g of the sequence sees the keys of chunks 0..g, the last of them causally.
+        chunk = local // 2
+        halves = []
+        for half, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank)):
+            seen = (index + 1) * chunk
+            halves.append(self._attend(half, k[:, :, :seen], v[:, :, :seen], None, True,
+                                       dropout_p, lower_right=index > 0))
+        return torch.cat(halves, dim=2)
+
+    def _sdpa(self, q, k, v, sdpa_mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        """``sdpa_mask`` in SDPA's convention (True = may attend), a causal bias, or None."""
         kernels = SDPA_KERNELS.get(self.attention_backend) if q.is_cuda else None
         if kernels is None:
-            return self._call_sdpa(q, k, v, attention_mask, causal, dropout_p)
+            return self._call_sdpa(q, k, v, sdpa_mask, causal, dropout_p)
         if q.size(1) != k.size(1) and q.dtype == torch.float32 and (
             self.attention_backend == AttnBackend.fused
         ):
@@ -147,7 +211,7 @@ class DotProductAttention(MegatronModule):
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         try:
             with sdpa_kernel(kernels):
-                return self._call_sdpa(q, k, v, attention_mask, causal, dropout_p)
+                return self._call_sdpa(q, k, v, sdpa_mask, causal, dropout_p)
         except RuntimeError as error:
             if "No available kernel" not in str(error):
                 raise
@@ -155,14 +219,14 @@ class DotProductAttention(MegatronModule):
             raise RuntimeError(
                 f"attention_backend={self.attention_backend.name} (--attention-backend): SDPA "
                 f"has no {names} kernel for these inputs ({q.dtype}, head dim {q.size(-1)}, "
-                f"{'an explicit' if attention_mask is not None else 'no'} attention mask; the "
+                f"{_describe(sdpa_mask)} attention mask; the "
                 "flash kernel needs fp16/bf16 and no mask); use --attention-backend auto"
             ) from None
 
-    def _call_sdpa(self, q, k, v, attention_mask, causal: bool, dropout_p: float):
+    def _call_sdpa(self, q, k, v, sdpa_mask, causal: bool, dropout_p: float):
         return F.scaled_dot_product_attention(
             q, k, v,
-            attn_mask=None if attention_mask is None else ~attention_mask,
+            attn_mask=sdpa_mask,
             dropout_p=dropout_p,
             is_causal=causal,
             scale=self.softmax_scale,

@@ -227,8 +227,10 @@ def _te_classes() -> SimpleNamespace:
         def __init__(self, config, layer_number, attn_mask_type, attention_type,
                      attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                      tp_group=None):
-            if cp_comm_type is not None:
-                raise ValueError("cp_comm_type is not supported: no context parallelism")
+            if config.context_parallel_size > 1:
+                raise ValueError(
+                    "context parallelism runs this tree's local attention, not Transformer "
+                    "Engine's: use --transformer-impl local with --context-parallel-size > 1")
             apply_attention_backend_environment(config.attention_backend,
                                                 config.apply_query_key_layer_scaling)
             self.default_mask_type = attn_mask_type

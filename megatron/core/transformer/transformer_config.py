@@ -74,7 +74,6 @@ UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
     "moe_token_drop_policy": _NO_MOE,
     "moe_layer_recompute": _NO_MOE,
     "moe_permute_fusion": _NO_MOE,
-    "cp_comm_type": "context parallelism is not implemented",
     "enable_cuda_graph": _NO_GRAPHS,
     "cuda_graph_use_single_mempool": _NO_GRAPHS,
     "cuda_graph_retain_backward_graph": _NO_GRAPHS,
@@ -460,6 +459,23 @@ class TransformerConfig(ModelParallelConfig):
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        self._check_cp_comm_type()
+
+    def _check_cp_comm_type(self) -> None:
+        """One of upstream's values, or a list of one per layer."""
+        from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+
+        value = self.cp_comm_type
+        values = value if isinstance(value, list) else [value]
+        if isinstance(value, list) and len(value) != self.num_layers:
+            raise ValueError(f"cp_comm_type has {len(value)} entries; give one, or one per layer "
+                             f"({self.num_layers})")
+        for entry in values:
+            if entry is not None and entry not in CP_COMM_TYPES:
+                raise ValueError(f"cp_comm_type={entry!r}: one of {', '.join(CP_COMM_TYPES)}")
+        if "a2a+p2p" in values and not self.hierarchical_context_parallel_sizes:
+            raise ValueError("cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes "
+                             "(--hierarchical-context-parallel-sizes)")
 
     def computes_in_fp8(self, layer_number: int) -> bool:
         """Whether transformer layer ``layer_number`` (1-based, global) runs its linear

@@ -84,7 +84,9 @@ class _Layout:
         if isinstance(optimizer, DistributedOptimizer):
             self.dp, self.dp_sharded = optimizer.data_parallel_group.group, True
         else:
-            self.dp = parallel_state.get_data_parallel_group() if self.distributed else None
+            # Replicated over data- and context-parallel ranks alike.
+            self.dp = (parallel_state.get_data_parallel_group(with_context_parallel=True)
+                       if self.distributed else None)
             self.dp_sharded = False
         self.tp_size, self.tp_rank = self._size_rank(self.tp)
         self.dp_size, self.dp_rank = self._size_rank(self.dp)

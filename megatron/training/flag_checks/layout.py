@@ -136,6 +136,13 @@ def check_layout(args: argparse.Namespace) -> None:
             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} x "
             f"--context-parallel-size {args.context_parallel_size} = {model_parallel}")
     args.data_parallel_size = args.world_size // model_parallel
+    expert_tp = args.expert_tensor_parallel_size
+    if expert_tp is not None and (expert_tp < 1 or args.world_size % (
+            expert_tp * args.pipeline_model_parallel_size)):
+        raise ArgumentError(
+            f"--expert-tensor-parallel-size {expert_tp} x --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size} must divide the world size ({args.world_size} "
+            f"ranks)")
     args.virtual_pipeline_model_parallel_size = _derive_virtual_pipeline_size(args)
     _check_layer_split(args)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:

@@ -4,11 +4,13 @@ flags: combinations that cannot work, named by their flags."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional
 
 import torch
 
+from megatron.core.transformer.context_parallel import CP_COMM_TYPES
 from megatron.core.transformer.enums import AttnBackend
 from megatron.training.flags.schema import ArgumentError
 
@@ -128,6 +130,40 @@ def check_model_flags(args: argparse.Namespace) -> None:
     if args.use_rope_scaling and args.rope_scaling_factor <= 0:
         raise ArgumentError(f"--rope-scaling-factor must be positive, got "
                             f"{args.rope_scaling_factor}")
+    _check_context_parallel(args)
+
+
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    cp = args.context_parallel_size
+    sizes = args.hierarchical_context_parallel_sizes
+    if sizes is not None and math.prod(sizes) != cp:
+        raise ArgumentError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} "
+                            f"must multiply to --context-parallel-size {cp}")
+    unknown = [value for value in args.cp_comm_type if value not in CP_COMM_TYPES]
+    if unknown:
+        raise ArgumentError(f"--cp-comm-type {unknown[0]}: one of {', '.join(CP_COMM_TYPES)}")
+    if "a2a+p2p" in args.cp_comm_type and sizes is None:
+        raise ArgumentError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
+    if len(args.cp_comm_type) not in (1, args.num_layers or 1):
+        raise ArgumentError(f"--cp-comm-type takes one value or one per layer (--num-layers "
+                            f"{args.num_layers}), got {len(args.cp_comm_type)}")
+    if cp == 1:
+        return
+    if args.transformer_impl != "local":
+        raise ArgumentError(f"--context-parallel-size {cp} runs this tree's local attention, "
+                            f"not Transformer Engine's: add --transformer-impl local")
+    if args.reset_attention_mask and args.create_attention_mask_in_dataloader:
+        raise ArgumentError(f"--reset-attention-mask builds an attention mask per batch, which "
+                            f"--context-parallel-size {cp} cannot split; drop one of them")
+    # Two chunks per rank, each split again over tensor-parallel ranks by sequence parallelism.
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    unit = cp * math.lcm(2, tp)
+    if args.seq_length is not None and args.seq_length % unit:
+        raise ArgumentError(
+            f"--seq-length {args.seq_length} must be a multiple of {unit} with "
+            f"--context-parallel-size {cp}" + (f" and sequence parallelism over "
+                                               f"--tensor-model-parallel-size {tp}" if tp > 1
+                                               else " (two chunks per rank)"))
 
 
 def check_checkpointing(args: argparse.Namespace) -> None:

@@ -113,3 +113,6 @@ class CheckpointingArgs:
     use_persistent_ckpt_worker: bool = option(
         False, "", accepted="--async-save writes from threads of the training process, started "
         "per save; there is no worker process to keep")
+    async_ckpt_use_cpu_shm: bool = option(
+        False, "", accepted="--async-save writes from threads of the training process, so no "
+        "tensor is handed to another process (no CUDA IPC to avoid)")

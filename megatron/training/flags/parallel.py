@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron.core.transformer.context_parallel import CP_COMM_TYPES
 from megatron.training.flags.schema import option, unavailable
 
 _ENCODER = "separate encoder parallelism (T5, multimodal) is not implemented"
-_CONTEXT_PARALLEL = ("context parallelism is not implemented; long sequences need tensor "
-                     "parallelism with --sequence-parallel and activation recomputation")
 
 
 @dataclasses.dataclass
@@ -107,12 +106,16 @@ class DistributedArgs:
         "groups of the data-parallel ranks and all-reduce gradients between the groups")
     use_torch_fsdp2: bool = unavailable(False, "FSDP2 is not implemented; shard optimizer "
                                         "state with --use-distributed-optimizer")
-    context_parallel_size: int = option(1, "context-parallel degree (only 1)",
-                                        refused=_CONTEXT_PARALLEL,
-                                        refuse_if=lambda value: value != 1)
-    cp_comm_type: list[str] = unavailable(["p2p"], _CONTEXT_PARALLEL, nargs="+")
-    hierarchical_context_parallel_sizes: Optional[list[int]] = unavailable(
-        None, _CONTEXT_PARALLEL, nargs="+")
+    context_parallel_size: int = option(
+        1, "context-parallel degree: each sequence split over this many ranks (attention "
+        "gathers the keys and values; local attention, --transformer-impl local)")
+    cp_comm_type: list[str] = option(
+        ["p2p"], "upstream's key/value exchange under context parallelism, one value or one per "
+        "layer; all compute the same attention, which this tree's local attention runs by "
+        "all-gather: " + ", ".join(CP_COMM_TYPES), nargs="+")
+    hierarchical_context_parallel_sizes: Optional[list[int]] = option(
+        None, "with --cp-comm-type a2a+p2p, the context-parallel size as a product (checked; "
+        "the attention is the same)", nargs="+")
     nccl_communicator_config_path: Optional[str] = unavailable(
         None, "per-group NCCL communicator settings are not read; use NCCL_* environment "
         "variables")

@@ -25,7 +25,10 @@ _ONE_LOGGER = "no telemetry is sent from this tree"
 @dataclasses.dataclass
 class MoEArgs:
     expert_model_parallel_size: int = unavailable(1, _MOE)
-    expert_tensor_parallel_size: Optional[int] = unavailable(None, _MOE)
+    expert_tensor_parallel_size: Optional[int] = option(
+        None, "", accepted="tensor parallelism of expert layers, which a model here does not "
+        "have (--num-experts is refused): no effect, but checked to divide the ranks as upstream "
+        "does")
     num_experts: Optional[int] = unavailable(None, _MOE,
                                              refuse_if=lambda value: value not in (None, 0))
     moe_layer_freq: str = unavailable("1", _MOE)

@@ -7,7 +7,9 @@ from typing import Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.context_parallel import chunk_positions
 
 __all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
 
@@ -82,6 +84,13 @@ class RotaryEmbedding(torch.nn.Module):
         )
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
+        cp_size = (parallel_state.get_context_parallel_world_size()
+                   if parallel_state.model_parallel_is_initialized() else 1)
+        if cp_size > 1:
+            # This rank's rows of the sequence (see transformer/context_parallel.py).
+            positions = positions[chunk_positions(max_seq_len // cp_size,
+                                                  parallel_state.get_context_parallel_rank(),
+                                                  cp_size, positions.device)]
         angles = torch.outer(positions, self.inv_freq)  # [s, r/2]
         if self.rotary_interleaved:
             angles = angles.repeat_interleave(2, dim=-1)
@@ -94,7 +103,7 @@ class RotaryEmbedding(torch.nn.Module):
         packed_seq_params=None,
     ) -> int:
         """Full sequence length of the current microbatch, from whatever input the block uses
-        (sequence-parallel inputs hold 1/tp of it)."""
+        (sequence-parallel inputs hold 1/tp of it, context-parallel ones 1/cp)."""
         if packed_seq_params is not None or inference_params is not None:
             raise ValueError(
                 "packed_seq_params and inference_params are not supported by this tree; pass None"
@@ -105,4 +114,4 @@ class RotaryEmbedding(torch.nn.Module):
         length = source.size(0)
         if transformer_config.sequence_parallel:
             length *= transformer_config.tensor_model_parallel_size
-        return length
+        return length * transformer_config.context_parallel_size

@@ -1,0 +1,52 @@
+"""Context parallelism: each of ``cp`` ranks holds a share of every sequence.
+
+The sequence is cut into ``2 * cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+``2 * cp - 1 - r`` (upstream's layout): under a causal mask an early chunk attends to few keys
+and a late one to many, so pairing them gives every rank the same attention work. Everything
+but attention is per token and runs on the local rows unchanged; attention gathers the keys
+and values of the whole sequence from the group (gradients go back by reduce-scatter), puts
+them in sequence order, and lets each local chunk see the keys up to its own end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+# Upstream's ways of exchanging keys and values (``--cp-comm-type``). They compute the same
+# attention; the local attention gathers the keys and values (``all_gather``) for each of them.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def chunk_positions(local_length: int, cp_rank: int, cp_size: int,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """The global positions, in order, of the ``local_length`` rows rank ``cp_rank`` holds."""
+    if local_length % 2:
+        raise ValueError(f"context parallelism needs an even local sequence length (two chunks "
+                         f"per rank), got {local_length}")
+    chunk = local_length // 2
+    starts = (cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk)
+    return torch.cat([torch.arange(start, start + chunk, device=device) for start in starts])
+
+
+def split_for_rank(tensor: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Rank ``cp_rank``'s two chunks of ``tensor`` along ``dim`` (the full sequence there)."""
+    length = tensor.size(dim)
+    if length % (2 * cp_size):
+        raise ValueError(f"a sequence of {length} tokens cannot be split into {2 * cp_size} "
+                         f"equal chunks for --context-parallel-size {cp_size}; make the sequence "
+                         f"length a multiple of {2 * cp_size}")
+    index = chunk_positions(length // cp_size, cp_rank, cp_size, tensor.device)
+    return tensor.index_select(dim, index)
+
+
+def gathered_key_value(key: torch.Tensor, value: torch.Tensor, group: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's keys and values (sequence-first), in rank order; the backward sums each
+    rank's share of their gradients and returns it to the rank that holds those rows."""
+    return (gather_from_sequence_parallel_region(key, True, group=group),
+            gather_from_sequence_parallel_region(value, True, group=group))
+
