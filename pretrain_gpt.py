@@ -17,11 +17,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_timers, get_tokenizer
 from megatron.training.config_builders import core_transformer_config_from_args
 from megatron.training.data_sources import get_blend_and_blend_per_split
 from megatron.training.training import pretrain
-from megatron.training.utils import get_batch_on_this_cp_rank, print_rank_0
+from megatron.training.utils import print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:

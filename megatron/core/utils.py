@@ -108,3 +108,25 @@ def collective_device(group=None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, Any]) -> dict[str, Any]:
+    """This context-parallel rank's share of a microbatch of ``[b, s]`` tensors: its two chunks
+    of the sequence (see ``megatron/core/transformer/context_parallel.py``), put into ``batch``
+    in place, which is also returned; unchanged without context parallelism. An attention mask
+    is refused: this tree's context-parallel attention takes none."""
+    # Imported here: the transformer and checkpointing packages import this module.
+    from megatron.core import parallel_state
+    from megatron.core.transformer.context_parallel import split_for_rank
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size <= 1:
+        return batch
+    if batch.get("attention_mask") is not None:
+        raise ValueError("an attention mask from the data loader (--reset-attention-mask) is not "
+                         "supported with --context-parallel-size > 1")
+    cp_rank = parallel_state.get_context_parallel_rank()
+    for key, value in batch.items():
+        if value is not None:
+            batch[key] = split_for_rank(value, 1, cp_rank, cp_size)
+    return batch

@@ -1,5 +1,4 @@
-"""Small helpers of the trainer: printing from the right rank, averaging reported losses,
-a context-parallel rank's share of a batch."""
+"""Small helpers of the trainer: printing from the right rank, averaging reported losses."""
 
 from __future__ import annotations
 
@@ -8,9 +7,9 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron.core.transformer.context_parallel import split_for_rank
 from megatron.core.transformer.module import Float16Module
-# Upstream's place of the data-source helper.
+# Upstream's place of these helpers too.
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: F401
 from megatron.training.data_sources import get_blend_and_blend_per_split  # noqa: F401
 
 
@@ -53,17 +52,3 @@ def average_losses_across_data_parallel_group(losses: list[torch.Tensor]) -> tor
         averaged /= parallel_state.get_data_parallel_world_size()
     return averaged
 
-
-def get_batch_on_this_cp_rank(batch: dict) -> dict:
-    """This context-parallel rank's share of a microbatch of ``[b, s]`` tensors (its two chunks
-    of the sequence, see ``megatron/core/transformer/context_parallel.py``); the batch as it is
-    without context parallelism. An attention mask cannot be split this way: refused."""
-    cp_size = parallel_state.get_context_parallel_world_size()
-    if cp_size <= 1:
-        return batch
-    if batch.get("attention_mask") is not None:
-        raise ValueError("an attention mask from the data loader (--reset-attention-mask) is not "
-                         "supported with --context-parallel-size > 1")
-    cp_rank = parallel_state.get_context_parallel_rank()
-    return {key: value if value is None else split_for_rank(value, 1, cp_rank, cp_size)
-            for key, value in batch.items()}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.context_parallel import chunk_positions, split_for_rank
-from megatron.training.utils import get_batch_on_this_cp_rank
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -51,7 +51,9 @@ class RotaryEmbedding(torch.nn.Module):
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         # A plain attribute, not a buffer: it must stay fp32 when the model is cast to half.
-        self.inv_freq = rotary_base ** (-exponents)
+        # The reciprocal of the power, not a negative power: they differ in the last bit, and
+        # this one is upstream's rounding.
+        self.inv_freq = 1.0 / rotary_base ** exponents
         if rope_scaling:
             self.inv_freq = self._apply_scaling(self.inv_freq, factor=rope_scaling_factor)
 
@@ -83,15 +85,17 @@ class RotaryEmbedding(torch.nn.Module):
             offset, offset + max_seq_len, device=self.inv_freq.device, dtype=torch.float32
         )
         if self.seq_len_interpolation_factor is not None:
-            positions = positions / self.seq_len_interpolation_factor
+            # Times the fp32 reciprocal, as upstream rounds it (not a division).
+            positions = positions * (1.0 / self.seq_len_interpolation_factor)
+        angles = torch.outer(positions, self.inv_freq)  # [s, r/2]
         cp_size = (parallel_state.get_context_parallel_world_size()
                    if parallel_state.model_parallel_is_initialized() else 1)
         if cp_size > 1:
-            # This rank's rows of the sequence (see transformer/context_parallel.py).
-            positions = positions[chunk_positions(max_seq_len // cp_size,
-                                                  parallel_state.get_context_parallel_rank(),
-                                                  cp_size, positions.device)]
-        angles = torch.outer(positions, self.inv_freq)  # [s, r/2]
+            # This rank's rows of the sequence (see transformer/context_parallel.py), taken
+            # after the product: its kernel rounds alike only for the same shape.
+            angles = angles[chunk_positions(max_seq_len // cp_size,
+                                            parallel_state.get_context_parallel_rank(),
+                                            cp_size, angles.device)]
         if self.rotary_interleaved:
             angles = angles.repeat_interleave(2, dim=-1)
         else:
