@@ -51,4 +51,3 @@ def average_losses_across_data_parallel_group(losses: list[torch.Tensor]) -> tor
         dist.all_reduce(averaged, group=parallel_state.get_data_parallel_group())
         averaged /= parallel_state.get_data_parallel_world_size()
     return averaged
-

@@ -49,4 +49,3 @@ def gathered_key_value(key: torch.Tensor, value: torch.Tensor, group: Any
     rank's share of their gradients and returns it to the rank that holds those rows."""
     return (gather_from_sequence_parallel_region(key, True, group=group),
             gather_from_sequence_parallel_region(value, True, group=group))
-
