@@ -3,7 +3,9 @@
 megatron-core 0.11's module and function names. The global batch size is either constant, or
 ramps up (``--rampup-batch-size <start> <increment> <samples>``) from ``start`` by
 ``increment`` every ``samples / ((global - start) / increment)`` consumed samples until it
-reaches the configured global batch size. Each iteration runs ``batch // (micro batch x
+reaches the configured global batch size, or follows later upstream's step schedule
+(``--step-batch-size-schedule "0:384 200B:768"``: this batch size from this many consumed
+tokens on). Each iteration runs ``batch // (micro batch x
 data-parallel size)`` microbatches; with ``decrease_batch_size_if_needed`` a batch that does not
 divide is rounded down (the *running* batch size) instead of being an error.
 
@@ -138,11 +140,83 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                    self.start_global_batch_size + increments * self.batch_size_increment)
 
 
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _schedule_number(text: str, schedule: str) -> int:
+    """``text`` of a schedule entry: a number, optionally with a K/M/B/T suffix."""
+    digits, scale = text.strip().upper(), 1
+    if digits[-1:] in _SUFFIXES:
+        digits, scale = digits[:-1], _SUFFIXES[digits[-1]]
+    try:
+        return int(float(digits) * scale)
+    except ValueError:
+        raise BatchSizeError(f"step batch size schedule {schedule!r}: {text!r} is not a number "
+                             f"(a K, M, B or T suffix may follow it)") from None
+
+
+def parse_step_batch_size_schedule(schedule: str, seq_length: Optional[int] = None
+                                   ) -> list[tuple[int, int]]:
+    """``"THRESHOLD:BATCH ..."`` (spaces or commas between entries) as ``(consumed samples,
+    global batch size)`` pairs in ascending order; thresholds count tokens when ``seq_length``
+    is given (whole samples: the tokens divided by it, rounded down), else samples. The first
+    threshold must be 0 and none may repeat."""
+    pairs = []
+    for entry in schedule.replace(",", " ").split():
+        threshold, colon, batch = entry.partition(":")
+        if not colon:
+            raise BatchSizeError(f"step batch size schedule {schedule!r}: entry {entry!r} is "
+                                 f"not THRESHOLD:BATCH_SIZE")
+        samples = _schedule_number(threshold, schedule)
+        if seq_length is not None:
+            samples //= seq_length
+        pairs.append((samples, _schedule_number(batch, schedule)))
+    pairs.sort()
+    if not pairs or pairs[0][0] != 0:
+        raise BatchSizeError(f"step batch size schedule {schedule!r}: the first threshold must "
+                             f"be 0")
+    for (before, _), (after, _) in zip(pairs, pairs[1:]):
+        if after == before:
+            raise BatchSizeError(f"step batch size schedule {schedule!r}: two entries start at "
+                                 f"{before} samples")
+    if any(batch < 1 for _, batch in pairs):
+        raise BatchSizeError(f"step batch size schedule {schedule!r}: batch sizes must be >= 1")
+    return pairs
+
+
+class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
+    """The global batch size of the last schedule entry whose threshold the consumed samples
+    have reached (later upstream's ``--step-batch-size-schedule``); the global batch size is
+    the last entry's. Entries are checked to split into microbatch steps when they take effect,
+    so a run resumed on more ranks may list early batches it has already passed."""
+
+    def __init__(self, micro_batch_size: int, data_parallel_size: int,
+                 decrease_batch_size_if_needed: bool, rank: int, schedule: str,
+                 seq_length: Optional[int] = None) -> None:
+        if decrease_batch_size_if_needed:
+            raise BatchSizeError("a step batch size schedule does not round batch sizes down "
+                                 "(decrease_batch_size_if_needed)")
+        self.schedule = parse_step_batch_size_schedule(schedule, seq_length)
+        super().__init__(self.schedule[-1][1], micro_batch_size, data_parallel_size, False, rank)
+        self.update(0, consistency_check=False)
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        return [batch for threshold, batch in self.schedule if threshold <= consumed_samples][-1]
+
+
 def build_num_microbatches_calculator(
         rank: int, rampup_batch_size: Optional[Sequence], global_batch_size: int,
         micro_batch_size: int, data_parallel_size: int,
-        decrease_batch_size_if_needed: bool = False) -> NumMicroBatchesCalculator:
+        decrease_batch_size_if_needed: bool = False, step_batch_size_schedule: Optional[str] = None,
+        seq_length: Optional[int] = None) -> NumMicroBatchesCalculator:
     """The calculator these settings describe, without installing it process-wide."""
+    if step_batch_size_schedule is not None:
+        if rampup_batch_size is not None:
+            raise BatchSizeError("a step batch size schedule and rampup_batch_size are "
+                                 "alternatives")
+        return StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank,
+            step_batch_size_schedule, seq_length)
     if rampup_batch_size is None:
         return ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
                                                  data_parallel_size,
@@ -172,23 +246,28 @@ def _calculator() -> NumMicroBatchesCalculator:
 def init_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[Sequence],
                                      global_batch_size: int, micro_batch_size: int,
                                      data_parallel_size: int,
-                                     decrease_batch_size_if_needed: bool = False) -> None:
+                                     decrease_batch_size_if_needed: bool = False,
+                                     step_batch_size_schedule: Optional[str] = None,
+                                     seq_length: Optional[int] = None) -> None:
     """Install the process-wide calculator (once; ``reconfigure_...`` replaces it)."""
     if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         raise CalculatorStateError("the microbatch calculator is already initialised")
     reconfigure_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size,
                                             micro_batch_size, data_parallel_size,
-                                            decrease_batch_size_if_needed)
+                                            decrease_batch_size_if_needed,
+                                            step_batch_size_schedule, seq_length)
 
 
 def reconfigure_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[Sequence],
                                             global_batch_size: int, micro_batch_size: int,
                                             data_parallel_size: int,
-                                            decrease_batch_size_if_needed: bool = False) -> None:
+                                            decrease_batch_size_if_needed: bool = False,
+                                            step_batch_size_schedule: Optional[str] = None,
+                                            seq_length: Optional[int] = None) -> None:
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(
         rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed)
+        decrease_batch_size_if_needed, step_batch_size_schedule, seq_length)
 
 
 def destroy_num_microbatches_calculator() -> None:

@@ -19,6 +19,7 @@ import argparse
 import os
 from typing import Any, Callable, Optional
 
+from megatron.training.batch_schedule import step_schedule
 from megatron.training.data_sources import (
     DataSourceError, check_data_sources, check_training_data,
 )
@@ -121,6 +122,11 @@ def _fill_model_defaults(args: argparse.Namespace) -> None:
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+    if args.step_batch_size_schedule is not None:
+        # The batch size the schedule ends at, as a ramp's is its last (later upstream sets
+        # micro x data-parallel size, which would size the default evaluation batch and turn
+        # iteration-counted schedules into samples by one microbatch step).
+        args.global_batch_size = step_schedule(args)[-1][1]
     if args.micro_batch_size is not None and args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.eval_global_batch_size is None:

@@ -4,9 +4,10 @@ Upstream counts a run either in iterations (``--train-iters``, ``--lr-decay-iter
 ``--lr-warmup-iters``, ``--lr-wsd-decay-iters``) or in samples (``--train-samples``,
 ``--lr-decay-samples``, ...). The learning-rate and weight-decay schedules always advance by the
 samples each iteration consumed, so iteration counts are turned into samples with the final
-global batch size, as upstream does. A batch-size ramp-up (``--rampup-batch-size``) works with
-either; with ``--train-samples`` the number of iterations is what the ramp needs to consume
-those samples, throwing away a last partial batch.
+global batch size, as upstream does. A batch-size ramp-up (``--rampup-batch-size``) or step
+schedule (``--step-batch-size-schedule``) works with either; with ``--train-samples`` the number
+of iterations is what the ramp needs to consume those samples, throwing away a last partial
+batch (a step schedule keeps it, as later upstream counts).
 """
 
 from __future__ import annotations
@@ -16,19 +17,33 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.num_microbatches_calculator import (
-    NumMicroBatchesCalculator, build_num_microbatches_calculator,
+    BatchSizeError, NumMicroBatchesCalculator, StepBatchsizeNumMicroBatchesCalculator,
+    build_num_microbatches_calculator, parse_step_batch_size_schedule,
 )
+from megatron.training.flags.schema import ArgumentError
 
 
 def calculator_from_args(args: argparse.Namespace) -> NumMicroBatchesCalculator:
     return build_num_microbatches_calculator(
         args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-        args.data_parallel_size, args.decrease_batch_size_if_needed)
+        args.data_parallel_size, args.decrease_batch_size_if_needed,
+        args.step_batch_size_schedule, args.seq_length)
+
+
+def step_schedule(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``--step-batch-size-schedule`` as (consumed samples, global batch size) pairs."""
+    try:
+        return parse_step_batch_size_schedule(args.step_batch_size_schedule, args.seq_length)
+    except BatchSizeError as error:
+        raise ArgumentError(f"--step-batch-size-schedule: {error}") from None
 
 
 def iterations_for_samples(train_samples: int, calculator: NumMicroBatchesCalculator) -> int:
     """Iterations that consume ``train_samples`` (upstream's count: the ramp-up phase iteration
-    by iteration, then whole batches of the final size)."""
+    by iteration, then whole batches of the final size; under a step schedule, iterations
+    until the samples are reached, the last one possibly past them)."""
+    if isinstance(calculator, StepBatchsizeNumMicroBatchesCalculator):
+        return _iterations_under_schedule(train_samples, calculator.schedule)
     ramp_samples = getattr(calculator, "ramup_samples", 0)
     iterations = consumed = 0
     while consumed <= ramp_samples and consumed <= train_samples and ramp_samples:
@@ -36,6 +51,20 @@ def iterations_for_samples(train_samples: int, calculator: NumMicroBatchesCalcul
         iterations += 1
     if train_samples > consumed:
         iterations += (train_samples - consumed) // calculator.global_batch_size
+    return iterations
+
+
+def _iterations_under_schedule(train_samples: int, schedule: list[tuple[int, int]]) -> int:
+    # Whole iterations at each entry's batch size until the next threshold (or the end) is
+    # reached: the count of stepping one iteration at a time, without the loop.
+    iterations = consumed = 0
+    while consumed < train_samples:
+        batch = [size for threshold, size in schedule if threshold <= consumed][-1]
+        later = [threshold for threshold, _ in schedule if threshold > consumed]
+        stop = min([train_samples, *later])
+        steps = -(-(stop - consumed) // batch)
+        iterations += steps
+        consumed += steps * batch
     return iterations
 
 

@@ -85,9 +85,11 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
         try:
             reconfigure_num_microbatches_calculator(
                 args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
-                args.data_parallel_size, args.decrease_batch_size_if_needed)
+                args.data_parallel_size, args.decrease_batch_size_if_needed,
+                args.step_batch_size_schedule, args.seq_length)
         except ValueError as error:
-            raise ArgumentError(f"--global-batch-size / --rampup-batch-size: {error}") from None
+            raise ArgumentError(f"--global-batch-size / --rampup-batch-size / "
+                                f"--step-batch-size-schedule: {error}") from None
     if getattr(args, "tokenizer_type", None):
         from megatron.training.tokenizer import build_tokenizer
 

@@ -26,6 +26,7 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.* global batch size:\s+(\d+) \
 EXPECTED = {
     "tp1_pp4_vp1_decoupled_lr": ["decoupled learning rate:"],
     "15b_release_rampup_samples": ["params norm:", "num zeros:"],
+    "main_15b_release_step_schedule": ["params norm:", "num zeros:"],
 }
 
 
@@ -52,7 +53,8 @@ def check_log(case: str, output: str) -> None:
         assert text in output, f"{case}: no {text!r} in the log"
     if case != "gpt3_175b_example":  # every CI configuration logs them
         assert "params norm:" in output and "num zeros:" in output
-    if case in ("15b_release_rampup_samples", "gpt3_175b_example"):
+    if case in ("15b_release_rampup_samples", "gpt3_175b_example",
+                "main_15b_release_step_schedule"):
         batches = [int(batch) for _, _, batch, _ in lines]
         assert batches[0] < batches[-1] and batches == sorted(batches)  # the ramp
 

@@ -57,6 +57,8 @@ REPRESENTATIVE = {
                             ()),
     "main_tp2_pp2_cp2_per_token_loss": (
         "main/gpt3_mcore_te_tp2_pp2_cp2_calculate_per_token_loss", ()),
+    # Later upstream's 15B release recipe: its batch size follows a step schedule.
+    "main_15b_release_step_schedule": ("main/gpt3_15b_8t_release_sm", ()),
 }
 
 # Flags whose values are paths, sizes or the machine's; replaced below.
@@ -66,6 +68,7 @@ _REPLACED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-type",
              "--hidden-size", "--num-attention-heads", "--num-query-groups", "--seq-length",
              "--max-position-embeddings", "--micro-batch-size", "--global-batch-size",
              "--train-iters", "--train-samples", "--eval-iters", "--eval-interval",
+             "--step-batch-size-schedule",
              "--save-interval", "--log-interval", "--tensor-model-parallel-size",
              "--rampup-batch-size", "--num-layers", "--lr-warmup-samples", "--lr-decay-samples",
              "--distributed-timeout-minutes", "--pipeline-model-parallel-size"}
@@ -121,8 +124,7 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
         "--tensor-model-parallel-size", str(new_tp), "--pipeline-model-parallel-size",
         str(new_pp), "--num-layers", str(layers if layers <= 12 else 4),
         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--micro-batch-size", "1",
-        "--global-batch-size", str(microbatches * new_dp), "--eval-iters", "1",
+        "--max-position-embeddings", "64", "--micro-batch-size", "1", "--eval-iters", "1",
         "--eval-interval", "1000", "--save-interval", "1000", "--log-interval", "1",
         "--distributed-timeout-minutes", "5",
         "--data-path", str(data / "corpus_text_document"), "--tokenizer-type", "Llama2Tokenizer",
@@ -130,6 +132,12 @@ def scaled_down(name: str, extra: tuple[str, ...], *, data: Path, out: Path,
         "--data-cache-path", str(out / "cache"), "--save", str(out / "ckpt"),
         "--load", str(out / "ckpt"), "--tensorboard-dir", str(out / "tb"),
         "--distributed-backend", backend, "--num-workers", "0", *extra]
+    if "--step-batch-size-schedule" in flags:
+        # The same shape: a batch size doubling once, here after three batches' tokens.
+        start = max(1, microbatches // 2) * new_dp
+        argv += ["--step-batch-size-schedule", f"0:{start} {3 * start * 64}:{2 * start}"]
+    else:
+        argv += ["--global-batch-size", str(microbatches * new_dp)]
     if "--num-query-groups" in flags:
         argv += ["--num-query-groups", str(new_tp)]
     if "--rampup-batch-size" in flags:

@@ -9,11 +9,14 @@ import pytest
 from megatron.core import num_microbatches_calculator as calculators
 from megatron.core.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator, RampupBatchsizeNumMicroBatchesCalculator,
-    build_num_microbatches_calculator,
+    StepBatchsizeNumMicroBatchesCalculator, build_num_microbatches_calculator,
+    parse_step_batch_size_schedule,
 )
 from megatron.training.arguments import ArgumentError, parse_args, validate_args, \
     validate_training_args
-from megatron.training.batch_schedule import iterations_for_samples, schedule_steps
+from megatron.training.batch_schedule import (
+    iterations_for_samples, resolve_train_iters, schedule_steps,
+)
 
 
 def test_a_constant_batch_splits_into_microbatch_steps():
@@ -103,6 +106,17 @@ def test_schedules_are_measured_in_samples(monkeypatch):
             "data-parallel size 2 = 4"),
     (("--train-samples", "50", "--lr-warmup-samples", "50"),
      "--lr-warmup-samples 50 must be smaller than the decay samples, 50"),
+    (("--train-samples", "50", "--step-batch-size-schedule", "0:8 1K:16",
+      "--global-batch-size", "8"), "sets every global batch size; drop --global-batch-size"),
+    (("--train-samples", "50", "--step-batch-size-schedule", "0:8", "--rampup-batch-size", "4",
+      "4", "8"), "drop --rampup-batch-size"),
+    (("--train-samples", "50", "--step-batch-size-schedule", "0:8 1K:6"),
+     "a batch size of --step-batch-size-schedule 6 is not a multiple of --micro-batch-size 2 x "
+     "data-parallel size 2 = 4"),
+    (("--train-samples", "50", "--step-batch-size-schedule", "1K:8 2K:16"),
+     "--step-batch-size-schedule: .*the first threshold must be 0"),
+    (("--train-samples", "50", "--step-batch-size-schedule", "0:8 1Q:16"),
+     "--step-batch-size-schedule: .*'1Q' is not a number"),
 ])
 def test_inconsistent_schedules_are_named(monkeypatch, flags, message):
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -114,3 +128,56 @@ def test_decreasing_the_batch_size_accepts_what_does_not_divide(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     validate_training_args(_args("--train-iters", "5", "--global-batch-size", "10",
                                  "--decrease-batch-size-if-needed"))
+
+
+def test_a_step_schedule_reads_tokens_with_suffixes_as_whole_samples():
+    # Later upstream's 15B release schedule at sequence length 4096; entries in any order.
+    assert parse_step_batch_size_schedule("400B:1152, 0:384 200B:768", 4096) == [
+        (0, 384), (48828125, 768), (97656250, 1152)]
+    assert parse_step_batch_size_schedule("0:8 1.5k:16") == [(0, 8), (1500, 16)]
+    with pytest.raises(ValueError, match="two entries start at 15 samples"):
+        parse_step_batch_size_schedule("0:8 1000:16 1010:32", 64)
+    with pytest.raises(ValueError, match="'0-8' is not THRESHOLD:BATCH_SIZE"):
+        parse_step_batch_size_schedule("0-8")
+
+
+def test_a_step_schedule_switches_batch_size_at_its_thresholds():
+    calculator = StepBatchsizeNumMicroBatchesCalculator(1, 8, False, 0, "0:16 1K:32 2K:64", 64)
+    assert calculator.global_batch_size == 64
+    seen = {}
+    for consumed in (0, 14, 15, 30, 31, 10_000):
+        calculator.update(consumed)
+        seen[consumed] = (calculator.get_current_global_batch_size(), calculator.get())
+    assert seen == {0: (16, 2), 14: (16, 2), 15: (32, 4), 30: (32, 4), 31: (64, 8),
+                    10_000: (64, 8)}
+    with pytest.raises(ValueError, match="does not round batch sizes down"):
+        StepBatchsizeNumMicroBatchesCalculator(1, 8, True, 0, "0:16", 64)
+    with pytest.raises(ValueError, match="alternatives"):
+        build_num_microbatches_calculator(0, [8, 8, 16], 16, 1, 8,
+                                          step_batch_size_schedule="0:16")
+
+
+def test_iterations_under_a_step_schedule_count_as_stepping_one_at_a_time():
+    calculator = StepBatchsizeNumMicroBatchesCalculator(1, 4, False, 0, "0:4 10:8 50:12")
+
+    def stepped(samples):
+        iterations = consumed = 0
+        while consumed < samples:
+            consumed += calculator.batch_size_at(consumed)
+            iterations += 1
+        return iterations
+
+    assert [iterations_for_samples(n, calculator) for n in range(200)] == \
+        [stepped(n) for n in range(200)]
+
+
+def test_a_step_schedule_sets_the_global_batch_size_to_its_last(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = _args("--train-samples", "1000", "--step-batch-size-schedule", "0:8 4K:16")
+    validate_training_args(args)
+    assert args.global_batch_size == args.eval_global_batch_size == 16
+    # Sequence length 16 (see _args): 4K tokens are 250 samples, reached after 32 batches of 8
+    # (256 samples); the other 744 take 47 batches of 16, the last one partly past the end.
+    resolve_train_iters(args)
+    assert args.train_iters == 32 + 47
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.batch_schedule import step_schedule
 from megatron.training.flags.schema import ArgumentError, flag_name
 
 
@@ -29,6 +30,14 @@ def check_schedule(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples "
                             "are alternatives")
+    if args.step_batch_size_schedule is not None:
+        given = [flag for flag, value in (("--global-batch-size", args.global_batch_size),
+                                          ("--rampup-batch-size", args.rampup_batch_size),
+                                          ("--decrease-batch-size-if-needed",
+                                           args.decrease_batch_size_if_needed)) if value]
+        if given:
+            raise ArgumentError(f"--step-batch-size-schedule sets every global batch size; drop "
+                                f"{' and '.join(given)}")
     if args.rampup_batch_size is not None:
         try:
             start, increment, samples = (int(value) for value in args.rampup_batch_size)
@@ -54,9 +63,13 @@ def check_batch_sizes(args: argparse.Namespace) -> None:
                 f"reach --global-batch-size {args.global_batch_size} from {start} in steps of "
                 f"{increment}")
         batches = list(range(start, args.global_batch_size + 1, increment))
+    if args.step_batch_size_schedule is not None:
+        batches = [batch for _, batch in step_schedule(args)]
     for batch in batches:
         if batch < per_step or (batch % per_step and not args.decrease_batch_size_if_needed):
-            source = ("--global-batch-size" if batch == args.global_batch_size
+            source = ("a batch size of --step-batch-size-schedule"
+                      if args.step_batch_size_schedule is not None
+                      else "--global-batch-size" if batch == args.global_batch_size
                       else "a batch size of --rampup-batch-size")
             raise ArgumentError(
                 f"{source} {batch} is not a multiple of --micro-batch-size "

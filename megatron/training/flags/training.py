@@ -21,6 +21,10 @@ class TrainingArgs:
                                               "micro-batch-size x data-parallel size)")
     rampup_batch_size: Optional[list[str]] = option(
         None, "grow the global batch size: <start> <increment> <ramp-up samples>", nargs="*")
+    step_batch_size_schedule: Optional[str] = option(
+        None, "later upstream's global batch size by consumed tokens: 'THRESHOLD:BATCH ...' "
+        "(K/M/B/T suffixes; the first threshold 0), instead of --global-batch-size and "
+        "--rampup-batch-size")
     decrease_batch_size_if_needed: bool = option(
         False, "round the global batch size down to a multiple of micro-batch size x "
         "data-parallel size instead of failing")
