@@ -43,7 +43,7 @@ def iterations_for_samples(train_samples: int, calculator: NumMicroBatchesCalcul
     by iteration, then whole batches of the final size; under a step schedule, iterations
     until the samples are reached, the last one possibly past them)."""
     if isinstance(calculator, StepBatchsizeNumMicroBatchesCalculator):
-        return _iterations_under_schedule(train_samples, calculator.schedule)
+        return _iterations_under_schedule(train_samples, calculator)
     ramp_samples = getattr(calculator, "ramup_samples", 0)
     iterations = consumed = 0
     while consumed <= ramp_samples and consumed <= train_samples and ramp_samples:
@@ -54,13 +54,14 @@ def iterations_for_samples(train_samples: int, calculator: NumMicroBatchesCalcul
     return iterations
 
 
-def _iterations_under_schedule(train_samples: int, schedule: list[tuple[int, int]]) -> int:
+def _iterations_under_schedule(train_samples: int,
+                               calculator: StepBatchsizeNumMicroBatchesCalculator) -> int:
     # Whole iterations at each entry's batch size until the next threshold (or the end) is
     # reached: the count of stepping one iteration at a time, without the loop.
     iterations = consumed = 0
     while consumed < train_samples:
-        batch = [size for threshold, size in schedule if threshold <= consumed][-1]
-        later = [threshold for threshold, _ in schedule if threshold > consumed]
+        batch = calculator.batch_size_at(consumed)
+        later = [threshold for threshold, _ in calculator.schedule if threshold > consumed]
         stop = min([train_samples, *later])
         steps = -(-(stop - consumed) // batch)
         iterations += steps

@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron.core.transformer.context_parallel import sequence_multiple
+
 
 class MicrobatchSampler:
     """Index lists of one microbatch for this data-parallel rank, from ``consumed_samples`` on."""
@@ -82,10 +84,9 @@ def pad_multiple(args) -> int:
     ``--variable-seq-length-multiple`` bucket, and a multiple of the tensor-parallel size
     under sequence parallelism (which splits the sequence over those ranks), of two chunks per
     context-parallel rank under context parallelism, and of both together."""
-    unit = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    if args.context_parallel_size > 1:
-        unit = args.context_parallel_size * math.lcm(2, unit)
-    return math.lcm(args.variable_seq_length_multiple, unit)
+    return math.lcm(args.variable_seq_length_multiple, sequence_multiple(
+        args.context_parallel_size,
+        args.tensor_model_parallel_size if args.sequence_parallel else 1))
 
 
 def build_data_loader(dataset, consumed_samples: int, args, *, pad_id: int) -> Optional[

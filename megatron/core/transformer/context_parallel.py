@@ -10,6 +10,7 @@ them in sequence order, and lets each local chunk see the keys up to its own end
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,15 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 # Upstream's ways of exchanging keys and values (``--cp-comm-type``). They compute the same
 # attention; the local attention gathers the keys and values (``all_gather``) for each of them.
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def sequence_multiple(context_parallel_size: int, sequence_parallel_size: int = 1) -> int:
+    """What a sequence length must be a multiple of: sequence parallelism splits it over its
+    ranks; context parallelism into two chunks per rank, each split again by sequence
+    parallelism."""
+    if context_parallel_size == 1:
+        return sequence_parallel_size
+    return context_parallel_size * math.lcm(2, sequence_parallel_size)
 
 
 def chunk_positions(local_length: int, cp_rank: int, cp_size: int,

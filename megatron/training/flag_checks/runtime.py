@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.transformer.context_parallel import CP_COMM_TYPES
+from megatron.core.transformer.context_parallel import CP_COMM_TYPES, sequence_multiple
 from megatron.core.transformer.enums import AttnBackend
 from megatron.training.flags.schema import ArgumentError
 
@@ -155,9 +155,8 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     if args.reset_attention_mask and args.create_attention_mask_in_dataloader:
         raise ArgumentError(f"--reset-attention-mask builds an attention mask per batch, which "
                             f"--context-parallel-size {cp} cannot split; drop one of them")
-    # Two chunks per rank, each split again over tensor-parallel ranks by sequence parallelism.
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    unit = cp * math.lcm(2, tp)
+    unit = sequence_multiple(cp, tp)
     if args.seq_length is not None and args.seq_length % unit:
         raise ArgumentError(
             f"--seq-length {args.seq_length} must be a multiple of {unit} with "

@@ -1,11 +1,11 @@
-"""Upstream side of test_context_parallel_split.py; runs with only upstream's checkout on its
-path. For each context-parallel size and rank it calls upstream core_v0.11.0's own
-``get_batch_on_this_cp_rank`` and ``RotaryEmbedding`` with upstream's parallel_state answering
-that size and rank, and saves what they return.
+"""Both sides of test_context_parallel_split.py: run with one tree's ``megatron`` on its path
+(upstream's checkout, or this tree), it calls that tree's ``get_batch_on_this_cp_rank`` and
+``RotaryEmbedding`` by upstream's public names, for each context-parallel size and rank, with
+the tree's parallel_state answering that size and rank, and saves what they return.
 
 Upstream moves its chunk index to the GPU (``pin_memory=True``, ``.cuda()``); without one, the
-index is left on the CPU, where the same ``index_select`` runs. Usage: python
-upstream_cp_split_rank.py OUT_FILE
+index is left on the CPU, where the same ``index_select`` runs. Usage: python cp_split_rows.py
+OUT_FILE
 """
 
 import sys
@@ -27,6 +27,8 @@ if not torch.cuda.is_available():
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.current_device = lambda: "cpu"
 
+# This tree's rotary embedding asks first whether there are groups at all.
+parallel_state.model_parallel_is_initialized = lambda: True
 results = {}
 for cp in (2, 3, 4):
     for rank in range(cp):
