@@ -17,6 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_timers, get_tokenizer
 from megatron.training.config_builders import core_transformer_config_from_args
@@ -58,6 +59,28 @@ def get_batch(data_iterator):
             batch["position_ids"])
 
 
+# --check-for-spiky-loss: a local loss this many times the largest of its first 100 values.
+SPIKY_LOSS_FACTOR = 10
+
+
+def _validate_loss(loss_sum: torch.Tensor) -> None:
+    """This rank's loss, before any reduction, through the rerun state machine: NaN is fatal
+    (what that does: --rerun-mode), a spike is reported."""
+    args = get_args()
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        machine.validate_result(
+            result=loss_sum, rejection_func=torch.isnan, tolerance=0.0, fatal=True,
+            message="found NaN in local forward loss calculation (look at the batch this "
+                    "rank read and at the learning rate; --no-check-for-nan-in-loss-and-grad "
+                    "turns the check off)")
+    if args.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss_sum, message="Spiky loss", tolerance=0.0, fatal=False,
+            rejection_func=partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR,
+                                   context="loss"))
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """The loss over the tokens that count: their mean, or with --calculate-per-token-loss their
     sum and count (the schedule then divides by the global batch's tokens). The report is the
@@ -73,12 +96,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss_sum = torch.sum(losses * mask)
     count = mask.sum()
     cp_size = parallel_state.get_context_parallel_world_size()
-    if get_args().check_for_nan_in_loss_and_grad and torch.isnan(loss_sum).item():
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        raise RuntimeError(
-            f"rank {rank}: NaN in its local loss, before the data-parallel reduction (look at "
-            f"the batch it read and at the learning rate; --no-check-for-nan-in-loss-and-grad "
-            f"turns the check off)")
+    _validate_loss(loss_sum)
     report = {"lm loss": torch.stack([loss_sum.detach(), count])}
     if get_args().calculate_per_token_loss:
         return loss_sum, count.to(torch.int), report

@@ -25,7 +25,7 @@ from megatron.training.data_sources import (
 )
 from megatron.training.flag_checks.layout import check_layout, resolve_spellings
 from megatron.training.flag_checks.runtime import (
-    check_checkpointing, check_fp8, check_model_flags, check_precision, check_runtime,
+    check_checkpointing, check_fp8, check_model_flags, check_precision, check_rerun, check_runtime,
 )
 from megatron.training.flag_checks.schedule import (
     check_batch_sizes, check_learning_rate_schedule, check_schedule,
@@ -98,6 +98,7 @@ def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> 
     check_runtime(args)
     check_model_flags(args)
     check_checkpointing(args)
+    check_rerun(args)
     check_schedule(args)
     try:
         check_data_sources(args)

@@ -7,7 +7,8 @@ Layout of ``--save`` (upstream's names):
         model/                            torch.distributed.checkpoint: every weight once, whole
         optimizer/                        torch.distributed.checkpoint: optimizer state, whole
         common.pt                         iteration, consumed samples, scheduler, arguments,
-                                          parameter-group settings, loss scaler
+                                          parameter-group settings, loss scaler, the rerun
+                                          state machine's state
         rng/rank_00003.pt                 each rank's RNG states
         manifest.json                     every file above with its size and CRC-32
 
@@ -48,6 +49,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import safe_load
 from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.strategies import dcp_save
+from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 from megatron.training.checkpoint import integrity, legacy_save, pending, save_job
 from megatron.training.checkpoint.dist_save import plan_torch_dist
 from megatron.training.checkpoint.formats import (
@@ -184,6 +186,8 @@ def _write_state(partial: str, iteration: int, model, optimizer, opt_param_sched
                     "consumed_samples": consumed_samples,
                     "opt_param_scheduler": opt_param_scheduler.state_dict(),
                     **optimizer_common,
+                    # Every rank's failures are in rank 0's copy (the machine gathered them).
+                    "rerun_state_machine": get_rerun_state_machine().state_dict(),
                     "args": saved_args},
                    os.path.join(partial, "common.pt"))
     return planned
@@ -266,8 +270,22 @@ def load_checkpoint(model, optimizer, opt_param_scheduler) -> tuple[int, int]:
     rng_file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
     if not args.no_load_rng and same_layout and os.path.isfile(rng_file):
         _set_rng_state(safe_load.load(rng_file))
+    _restore_rerun_state(common.get("rerun_state_machine"), same_layout, path)
     print_rank_0(f"  loaded checkpoint from {path} at iteration {iteration}")
     return iteration, common["consumed_samples"]
+
+
+def _restore_rerun_state(state: Optional[dict], same_layout: bool, path: str) -> None:
+    """The rerun state machine's state; a pending re-run replays the iteration on the same
+    ranks only, so at another layout it is dropped, saying so."""
+    if state is None:
+        return
+    if same_layout:
+        get_rerun_state_machine().load_state_dict(state)
+    elif state["state"] != RerunState.NOT_RUNNING_YET:
+        print_rank_0(f"  {path} was saved to re-run iteration {state['current_iteration'] + 1} "
+                     f"for a diagnosis at the layout it was saved with; at this layout that "
+                     f"re-run is skipped and training goes on")
 
 
 def _checkpoint_to_load(args) -> Optional[str]:

@@ -57,6 +57,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
 from megatron.core.process_groups import ParallelLayout, created_groups, planned_groups
+from megatron.core.rerun_state_machine import (
+    RerunDiagnostic, RerunErrorInjector, RerunMode, initialize_rerun_state_machine,
+)
 from megatron.training import rendezvous
 from megatron.training.arguments import (
     ArgumentError, agreement_items, build_parser, flag_name, parse_args, validate_args,
@@ -80,6 +83,7 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
     validate_args(args, args_defaults)
     set_args(args)
     setup_logging(args)
+    _initialize_rerun_state_machine(args)
     set_deterministic_mode(args.deterministic_mode)
     if args.micro_batch_size is not None:
         try:
@@ -98,6 +102,24 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
         return
     _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
     _set_random_seed(args.seed, args.data_parallel_random_init)
+
+
+def _initialize_rerun_state_machine(args) -> None:
+    """``--rerun-mode``'s machine; a re-run also restores the tensor-parallel RNG streams."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    def save_tracker():
+        return {"rng_tracker_states": get_cuda_rng_tracker().get_states()}
+
+    def restore_tracker(saved):
+        if saved["rng_tracker_states"]:
+            get_cuda_rng_tracker().set_states(saved["rng_tracker_states"])
+
+    initialize_rerun_state_machine(
+        state_save_func=save_tracker, state_restore_func=restore_tracker,
+        mode=RerunMode.from_flag(args.rerun_mode),
+        error_injector=RerunErrorInjector(args.error_injection_rate,
+                                          RerunDiagnostic(args.error_injection_type)))
 
 
 def setup_logging(args) -> None:

@@ -31,6 +31,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import flight_recorder, get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communicator import set_debug_tags
 from megatron.core.pipeline_parallel.verify import Layout, VerificationError, verify
+from megatron.core.rerun_state_machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION, RerunDataIterator, RerunMode, RerunState,
+    get_rerun_state_machine,
+)
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import metrics_writers, progress_log, run_clock
@@ -332,7 +336,9 @@ def build_train_valid_test_data_iterators(provider: Callable, consumed_samples: 
             return None
         if loader is None:
             return _NoData(num_chunks)
-        make = (lambda: cyclic_iter(loader)) if cyclic else (lambda: iter(loader))
+        # Training reads through RerunDataIterator, which can serve an iteration again.
+        make = ((lambda: cyclic_iter(loader)) if cyclic
+                else (lambda: RerunDataIterator(iter(loader))))
         return [make() for _ in range(num_chunks)] if num_chunks > 1 else make()
 
     return (iterators(loaders[0], bool(present[0]), False),
@@ -363,18 +369,26 @@ def _for_schedule(data_iterator, model):
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
-    """One iteration: every microbatch forward and backward, then the optimizer step."""
+    """One iteration: every microbatch forward and backward (again, as often as the rerun
+    state machine asks), then the optimizer step. Returns upstream's ``(losses, skipped,
+    should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad)``; when the
+    machine stops the job the optimizer does not step."""
     args = get_args()
     timers = get_timers()
     data_iterator = _for_schedule(data_iterator, model)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses_reduced = get_forward_backward_func()(
-        forward_step_func=forward_step_func, data_iterator=data_iterator,
-        model=model if len(model) > 1 else model[0], num_microbatches=get_num_microbatches(),
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.seq_length, forward_only=False)
+    machine = get_rerun_state_machine()
+    while machine.should_run_forward_backward(data_iterator):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses_reduced = get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=data_iterator,
+            model=model if len(model) > 1 else model[0], num_microbatches=get_num_microbatches(),
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.seq_length, forward_only=False)
+    should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
+    if should_exit:
+        return {}, 1, should_checkpoint, should_exit, exit_code, None, None
     empty_unused_memory(args, level=1)
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
@@ -382,7 +396,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if update_successful:
         opt_param_scheduler.step(increment=get_current_running_global_batch_size())
     empty_unused_memory(args, level=2)
-    return _average_reports(losses_reduced), int(not update_successful), grad_norm, num_zeros
+    return (_average_reports(losses_reduced), int(not update_successful), False, False, 0,
+            grad_norm, num_zeros)
 
 
 def _average_reports(reports: list) -> dict[str, float]:
@@ -423,6 +438,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     should_exit = False
+    machine = get_rerun_state_machine()
+    if machine.state == RerunState.NOT_RUNNING_YET:  # else resumed for a re-run: its own count
+        machine.current_iteration = iteration - 1  # its messages number iterations as the log
     update_num_microbatches(consumed_samples, consistency_check=False)
     num_microbatches = get_num_microbatches()
     while iteration < args.train_iters:
@@ -435,8 +453,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                                          consumed_samples)
             num_microbatches = get_num_microbatches()
             preflight_pipeline_check(args, num_microbatches)
-        loss_dict, skipped, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+        loss_dict, skipped, should_checkpoint, rerun_exit, exit_code, grad_norm, num_zeros = \
+            train_step(forward_step_func, train_data_iterator, model, optimizer,
+                       opt_param_scheduler, config)
+        if rerun_exit:
+            _stop_for_the_rerun_state_machine(should_checkpoint, exit_code, iteration, model,
+                                              optimizer, opt_param_scheduler, consumed_samples)
         iteration += 1
         batch_size = get_current_running_global_batch_size()
         consumed_samples += batch_size
@@ -470,6 +492,28 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     return iteration, consumed_samples
 
 
+def _stop_for_the_rerun_state_machine(should_checkpoint: bool, exit_code: int, iteration: int,
+                                      model, optimizer, opt_param_scheduler,
+                                      consumed_samples: int) -> None:
+    """End the job as the machine decided, saving the iteration's starting state first when
+    it asks (a reproduced fault, to be re-run on another device from that checkpoint)."""
+    args = get_args()
+    if should_checkpoint:
+        if args.save:
+            save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                     consumed_samples)
+            print_rank_0(f"rerun state machine: saved iteration {iteration} to {args.save}; "
+                         f"resume with --load {args.save} on other GPUs (exit code {exit_code})")
+        else:
+            exit_code = EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+            print_rank_0("rerun state machine: the rejected result reproduced, but without "
+                         "--save there is no checkpoint to re-run the iteration from on "
+                         "another GPU; stopping without a diagnosis")
+    metrics_writers.finish()
+    _leave_together()
+    raise SystemExit(exit_code)
+
+
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config,
              verbose: bool = False, non_loss_data_func=None):
     """Mean reported losses over ``--eval-iters`` forward-only iterations, as
@@ -486,6 +530,9 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
     if verbose:
         print_rank_0(f"Evaluating on {args.eval_iters * args.eval_global_batch_size} samples")
     timed_config, config.timers = config.timers, None  # evaluation is not training time
+    machine = get_rerun_state_machine()
+    rerun_mode = machine.get_mode()
+    machine.set_mode(RerunMode.DISABLED)  # evaluation results are checked, never re-run
     try:
         with torch.no_grad():
             for step in range(1, args.eval_iters + 1):
@@ -505,6 +552,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
                     print_rank_0("Exiting during evaluation, timelimit reached")
                     return None, None, True
     finally:
+        machine.set_mode(rerun_mode)
         config.timers = timed_config
         for chunk in model:
             chunk.train()

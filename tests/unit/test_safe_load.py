@@ -106,31 +106,16 @@ def test_upstream_content_loads(tmp_path):
     assert loaded["te_extra_state"].getvalue() == b"fp8 meta"
 
 
-def test_upstream_call_records_map_to_stand_ins(monkeypatch):
-    """The rerun state of a run that re-ran an iteration names upstream's Call and Caller,
-    which this tree does not define: they come back as local stand-ins."""
-    from typing import NamedTuple
-
+def test_upstream_call_records_load_as_this_tree_s():
+    """The rerun state of a run that re-ran an iteration holds a Call and a Caller, which
+    upstream pickles under the module path they have here."""
     import megatron.core.rerun_state_machine as rerun
 
-    class Caller(NamedTuple):
-        filename: str
-        lineno: int
-        rank: int
-
-    class Call(NamedTuple):
-        caller: Caller
-        sequence: int
-
-    for kind in (Caller, Call):  # pickled under upstream's module path, as upstream does
-        kind.__module__, kind.__qualname__ = rerun.__name__, kind.__name__
-        monkeypatch.setattr(rerun, kind.__name__, kind, raising=False)
     buffer = io.BytesIO()
-    torch.save({"failed_validation_call": Call(Caller("f.py", 7, 1), 2)}, buffer)
-    monkeypatch.undo()
+    torch.save({"failed_validation_call": rerun.Call(rerun.Caller("f.py", 7, 1), 2)}, buffer)
     loaded = safe_load.load_bytes(buffer.getvalue(), "rerun state")["failed_validation_call"]
-    assert loaded == safe_load.Call(safe_load.Caller("f.py", 7, 1), 2)
-    assert isinstance(loaded, safe_load.Call)
+    assert loaded == rerun.Call(rerun.Caller("f.py", 7, 1), 2)
+    assert isinstance(loaded, rerun.Call) and isinstance(loaded.caller, rerun.Caller)
 
 
 @pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy-pickle"])

@@ -3,7 +3,8 @@
 tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl holds the flag sets of upstream's
 ``tests/functional_tests/test_cases/gpt/*/model_config.yaml`` (132 files: MODEL_ARGS as the
 command line upstream's harness builds from them, and ENV_VARS). Each must either validate as
-``pretrain_gpt.py`` would on its 8 GPUs, or be refused with lines that each name a flag. Every
+``pretrain_gpt.py`` would on its GPUs (8, unless the configuration's ``gpus`` says otherwise),
+or be refused with lines that each name a flag. Every
 configuration that uses none of the features this tree leaves out (mixture of experts, legacy
 models, fp8 parameters, FSDP2, ModelOpt) must be accepted: the FP8 ones too (through torchao),
 and since 2026-12-05 those with context parallelism (and dense models that set an expert
@@ -47,7 +48,7 @@ def in_scope(config: dict) -> bool:
 
 
 def validate(config: dict, monkeypatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", str(config.get("gpus", 8)))  # upstream's GPUS_PER_NODE
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     for name, value in config["env"].items():

@@ -7,9 +7,8 @@ unpickler, which builds tensors and plain containers only, plus the few classes 
 (``ALLOWED``) that upstream Megatron-LM core_v0.11 and this tree put into checkpoints: the
 arguments' Namespace and enums, the rerun state machine's enums and call records, numpy's
 RNG state and TE's serialised extra state. Upstream classes live at the same module paths here
-(``megatron.core.enums``, ``megatron.core.rerun_state_machine``, ...); where one has no
-counterpart its fully qualified name is mapped to a stand-in below, so nothing of upstream is
-imported. A pickle that names anything else ends with one line naming the file and the type,
+(``megatron.core.enums``, ``megatron.core.rerun_state_machine``, ...), so nothing of upstream
+is imported. A pickle that names anything else ends with one line naming the file and the type,
 and none of it runs (``UnsafeCheckpoint``).
 """
 
@@ -20,31 +19,15 @@ import io
 import os
 import pickle
 import re
-from typing import IO, Any, NamedTuple, Optional, Union
+from typing import IO, Any, Optional, Union
 
 import numpy as np
 import torch
 
 from megatron.core.enums import ModelType
-from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+from megatron.core.rerun_state_machine import Call, Caller, RerunDiagnostic, RerunMode, RerunState
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.dist_checkpointing.errors import CheckpointFormatError
-
-
-class Caller(NamedTuple):
-    """Stand-in for upstream's ``megatron.core.rerun_state_machine.Caller`` (a failed
-    validation's call site, kept in the rerun state of a run that re-ran an iteration)."""
-
-    filename: str
-    lineno: int
-    rank: int
-
-
-class Call(NamedTuple):
-    """Stand-in for upstream's ``megatron.core.rerun_state_machine.Call``."""
-
-    caller: Caller
-    sequence: int
 
 
 def _numpy_globals() -> list:
@@ -68,9 +51,7 @@ ALLOWED = [
     argparse.Namespace,
     io.BytesIO,  # Transformer Engine's extra state (older versions)
     ModelType, AttnBackend,
-    RerunDiagnostic, RerunMode, RerunState,
-    (Caller, "megatron.core.rerun_state_machine.Caller"),
-    (Call, "megatron.core.rerun_state_machine.Call"),
+    RerunDiagnostic, RerunMode, RerunState, Caller, Call,
     *_numpy_globals(),
 ]
 

@@ -38,6 +38,7 @@ from megatron.core.distributed.collective_group import CollectiveGroup, local_sh
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 
 class ParamAndGradBucket:
@@ -118,18 +119,20 @@ class BucketGroup:
         return self._state is not _SyncState.IDLE
 
     def check_for_nan_in_grad(self) -> None:
+        """Each bucket's local gradient norm, before the data-parallel reduction, through the
+        rerun state machine (a NaN is fatal; what that does: --rerun-mode)."""
+        machine = get_rerun_state_machine()
         for bucket in self.buckets:
-            norm = bucket.grad_data.norm(p=2)
-            if torch.isnan(norm).item():
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                raise RuntimeError(
-                    f"rank {rank} (data-parallel rank {self.data_parallel_group.rank}): NaN in "
-                    f"its local gradients of bucket {bucket.bucket_id} (elements "
-                    f"{bucket.offset}..{bucket.offset + bucket.grad_data.numel()}), before the "
-                    f"data-parallel reduction: this rank's backward pass produced it (look at "
-                    f"the batch it read and at the learning rate; check_for_nan_in_grad=True, "
-                    f"--no-check-for-nan-in-loss-and-grad turns the check off)"
-                )
+            machine.validate_result(
+                result=bucket.grad_data.norm(p=2), rejection_func=torch.isnan, fatal=True,
+                tolerance=0.001,  # a re-run's backward may sum in another order
+                message=f"found NaN in local grad norm for bucket #{bucket.bucket_id} (elements "
+                        f"{bucket.offset}..{bucket.offset + bucket.grad_data.numel()}, "
+                        f"data-parallel rank {self.data_parallel_group.rank}) in backward pass "
+                        f"before data-parallel communication collective: this rank's backward "
+                        f"pass produced it (look at the batch it read and at the learning "
+                        f"rate; check_for_nan_in_grad=True, --no-check-for-nan-in-loss-and-grad "
+                        f"turns the check off)")
 
     def check_accepts_gradients(self) -> None:
         """Raise if gradients would be added to buckets whose reduction already started."""

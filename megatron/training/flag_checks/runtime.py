@@ -189,6 +189,16 @@ def check_checkpointing(args: argparse.Namespace) -> None:
                             "--override-opt_param-scheduler are alternatives; give one")
 
 
+def check_rerun(args: argparse.Namespace) -> None:
+    if args.error_injection_rate < 0:
+        raise ArgumentError(f"--error-injection-rate must be >= 0 (0: none), got "
+                            f"{args.error_injection_rate}")
+    if args.error_injection_rate and args.rerun_mode != "validate_results":
+        raise ArgumentError(f"--error-injection-rate tests the re-runs of --rerun-mode "
+                            f"validate_results; with --rerun-mode {args.rerun_mode} it would "
+                            f"inject nothing")
+
+
 _DELAYED_SCALING_FLAGS = {"fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_len": 1,
                           "fp8_amax_compute_algo": "most_recent"}
 

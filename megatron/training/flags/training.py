@@ -32,10 +32,25 @@ class TrainingArgs:
     recompute_granularity: Optional[str] = option(None, "activation recomputation",
                                                   choices=("full", "selective"))
     check_for_nan_in_loss_and_grad: bool = option(
-        True, "fail the run, naming the rank, when a local gradient norm is NaN (data-parallel "
-        "reduction) or the loss is NaN (off with --fp16 and dynamic loss scaling)",
+        True, "check each rank's loss and local gradient norms for NaN before the "
+        "data-parallel reduction: the run stops naming the rank, or re-runs the iteration "
+        "with --rerun-mode validate_results (off with --fp16 and dynamic loss scaling)",
         negative=("--no-check-for-nan-in-loss-and-grad",))
-    check_for_spiky_loss: bool = unavailable(False, "the rerun state machine is not implemented")
+    check_for_spiky_loss: bool = option(
+        False, "validate each microbatch's loss against 10x the largest of its first 100 values "
+        "(never fatal: logged, or re-run with --rerun-mode validate_results)")
+    rerun_mode: str = option(
+        "disabled", "what a rejected result (NaN loss or gradient, spiky loss) does: disabled "
+        "stops the run (or logs, if not fatal); validate_results re-runs the iteration to tell a "
+        "transient or persistent device fault from a correct result (exit codes 16: resume "
+        "from the checkpoint just saved on another GPU; 17: failed validation); report_stats "
+        "runs every iteration twice and logs how much results differ",
+        choices=("disabled", "validate_results", "report_stats"))
+    error_injection_rate: int = option(
+        0, "with --rerun-mode validate_results: reject about one validation in N (testing)")
+    error_injection_type: str = option(
+        "transient_error", "what the re-runs of an injected rejection find",
+        choices=("correct_result", "transient_error", "persistent_error"))
     distribute_saved_activations: bool = option(
         False, "", accepted="full recomputation keeps each layer's input whole on every "
         "tensor-parallel rank (same results, more memory)")

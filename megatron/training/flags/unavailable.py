@@ -18,7 +18,6 @@ _INFERENCE = "inference is not part of this tree"
 _AUTORESUME = "ADLR autoresume is NVIDIA-internal; use --exit-duration-in-mins or SIGTERM"
 _STRAGGLER = "the straggler detector (nvidia-resiliency-ext) is not implemented"
 _FT = "fault tolerance (nvidia-resiliency-ext) is not implemented"
-_RERUN = "the rerun state machine is not implemented"
 _ONE_LOGGER = "no telemetry is sent from this tree"
 
 
@@ -173,12 +172,6 @@ class ServicesArgs:
     app_tag_run_name: Optional[str] = option(None, "", accepted=_ONE_LOGGER)
     app_tag_run_version: str = option("0.0.0", "", accepted=_ONE_LOGGER)
     config_logger_dir: str = unavailable("", "module inputs and outputs are not dumped")
-    error_injection_rate: int = unavailable(0, _RERUN)
-    error_injection_type: str = unavailable(
-        "transient_error", _RERUN,
-        choices=("correct_result", "transient_error", "persistent_error"))
-    rerun_mode: str = unavailable("disabled", _RERUN,
-                                  choices=("disabled", "validate_results", "report_stats"))
 
 
 _MODELOPT = "NVIDIA ModelOpt (quantisation, distillation, export) is not part of this tree"

@@ -1,0 +1,1 @@
+"""Parts of the rerun state machine (``megatron.core.rerun_state_machine``)."""
