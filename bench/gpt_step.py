@@ -370,6 +370,7 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
 
     model, optimizer, scheduler, config = start_trainer(args, flags)
     import pretrain_gpt
+    from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training import get_args, training
     from megatron.training.data_loading import pad_multiple
 
@@ -403,7 +404,8 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
         synchronize()
         start = time.perf_counter()
         with contextlib.redirect_stdout(log):
-            training.train(pretrain_gpt.forward_step, model, optimizer, scheduler, batches(),
+            training.train(pretrain_gpt.forward_step, model, optimizer, scheduler,
+                           RerunDataIterator(batches()),
                            None, None, config, iteration, 0)
         synchronize()
         return (time.perf_counter() - start) / (last - iteration), log.getvalue()

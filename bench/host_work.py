@@ -105,6 +105,7 @@ def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
     import gpt_step
     import pretrain_gpt
     from megatron.core.pipeline_parallel import plan_executor
+    from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron.training import get_args, training
 
     shape_args = argparse.Namespace(**vars(args), micro_batch_size=1, microbatches=1,
@@ -120,7 +121,8 @@ def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
     def train(first: int, last: int) -> None:
         get_args().train_iters = last
         with contextlib.redirect_stdout(io.StringIO()):
-            training.train(pretrain_gpt.forward_step, model, optimizer, scheduler, batches(),
+            training.train(pretrain_gpt.forward_step, model, optimizer, scheduler,
+                           RerunDataIterator(batches()),
                            None, None, config, first, 0)
 
     train(0, 2)

@@ -33,6 +33,12 @@ LAYOUTS = {
     "pp2-vpp2-cp2": (4, [*CP2, "--pipeline-model-parallel-size", "2",
                          "--num-layers-per-virtual-pipeline-stage", "2"], ROPE),
     "dp2-cp2-distributed-optimizer": (4, [*CP2, "--use-distributed-optimizer"], ROPE),
+    # Rows traded for heads (all-to-all): grouped-query, and with tensor parallelism.
+    "cp2-a2a-grouped-query": (2, [*CP2, "--cp-comm-type", "a2a"],
+                              [*ROPE, "--group-query-attention", "--num-query-groups", "2"]),
+    "tp2-cp2-a2a-sequence-parallel": (4, [*CP2, "--cp-comm-type", "a2a",
+                                          "--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel"], ROPE),
 }
 
 
@@ -54,7 +60,7 @@ def reference(data):  # noqa: F811
 
 
 @pytest.mark.parametrize("layout", [
-    "cp2-rope", "cp2-per-token-loss-learned-positions",
+    "cp2-rope", "cp2-per-token-loss-learned-positions", "cp2-a2a-grouped-query",
     *(pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS if name.startswith(
         ("cp4", "tp2", "pp2", "dp2"))),
 ])

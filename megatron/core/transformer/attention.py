@@ -42,6 +42,14 @@ class SelfAttentionSubmodules:
     k_layernorm: Optional[Callable] = None
 
 
+def _layer_entry(cp_comm_type, layer_number: int) -> Optional[str]:
+    """The context-parallel exchange of global layer ``layer_number`` (1-based): one for all
+    layers, or one per layer."""
+    if isinstance(cp_comm_type, (list, tuple)):
+        return cp_comm_type[layer_number - 1]
+    return cp_comm_type
+
+
 class Attention(MegatronModule, ABC):
     """What self- and cross-attention share: sizes, the output projection, the core attention
     and the forward pass; subclasses build the input projections (``_build_projections``) and
@@ -57,7 +65,7 @@ class Attention(MegatronModule, ABC):
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, *, tp_group: Any = None,
-                 output_bias_in_linear: bool = False) -> None:
+                 output_bias_in_linear: bool = False, cp_comm_type: Optional[str] = None) -> None:
         super().__init__(config=config)
         config.require_model_shape(type(self).__name__)
         self.tp_group = checked_tp_group(config, tp_group)
@@ -93,6 +101,7 @@ class Attention(MegatronModule, ABC):
             attn_mask_type=attn_mask_type,
             attention_type=attention_type,
             softmax_scale=config.softmax_scale,
+            cp_comm_type=cp_comm_type or _layer_entry(config.cp_comm_type, layer_number),
             tp_group=self.tp_group,
         )
         self.linear_proj = linear_proj
@@ -153,12 +162,14 @@ class SelfAttention(Attention):
         submodules: SelfAttentionSubmodules,
         layer_number: int,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: Optional[str] = None,
         *,
         tp_group: Any = None,
         output_bias_in_linear: bool = False,
     ) -> None:
         super().__init__(config, submodules, layer_number, attn_mask_type, "self",
-                         tp_group=tp_group, output_bias_in_linear=output_bias_in_linear)
+                         tp_group=tp_group, output_bias_in_linear=output_bias_in_linear,
+                         cp_comm_type=cp_comm_type)
 
     def _build_projections(self, submodules: SelfAttentionSubmodules) -> None:
         self.linear_qkv = self._column_parallel(

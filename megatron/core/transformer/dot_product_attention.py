@@ -35,7 +35,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.context_parallel import (
-    CP_COMM_TYPES, chunk_positions, gathered_key_value,
+    CP_COMM_TYPES, chunk_positions, gathered_key_value, heads_to_sequence, sequence_to_heads,
 )
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -97,6 +97,7 @@ class DotProductAttention(MegatronModule):
             raise ValueError(f"attention_type={attention_type!r} is not supported; 'self' or "
                              f"'cross'")
         self.layer_number = max(1, layer_number)
+        self.cp_comm_type = cp_comm_type
         self.attn_mask_type = attn_mask_type
         self.attention_backend = config.attention_backend
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -179,12 +180,18 @@ class DotProductAttention(MegatronModule):
         group = parallel_state.get_context_parallel_group()
         cp_rank = parallel_state.get_context_parallel_rank()
         cp_size = parallel_state.get_context_parallel_world_size()
+        local = q.size(2)
+        # Slot i of the ranks' rows in rank order holds global position positions[i].
+        positions = torch.cat([chunk_positions(local, rank, cp_size, q.device)
+                               for rank in range(cp_size)])
+        order = torch.argsort(positions)
+        if self.cp_comm_type == "a2a":  # the whole sequence, 1/cp of the heads
+            q, k, v = (heads_to_sequence(t, group).index_select(2, order) for t in (q, k, v))
+            context = self._attend(q, k, v, None, causal, dropout_p)
+            return sequence_to_heads(context.index_select(2, positions), group)
         # [b, h, s, d] -> sequence-first for the gather and back, then into global order.
         k, v = (t.permute(1, 2, 0, 3) for t in gathered_key_value(
             k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), group))
-        local = q.size(2)
-        order = torch.argsort(torch.cat([chunk_positions(local, rank, cp_size, q.device)
-                                         for rank in range(cp_size)]))
         k, v = k.index_select(2, order), v.index_select(2, order)
         if not causal:
             return self._attend(q, k, v, None, False, dropout_p)

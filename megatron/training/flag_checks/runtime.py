@@ -155,6 +155,16 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
     if args.reset_attention_mask and args.create_attention_mask_in_dataloader:
         raise ArgumentError(f"--reset-attention-mask builds an attention mask per batch, which "
                             f"--context-parallel-size {cp} cannot split; drop one of them")
+    if "a2a" in args.cp_comm_type:
+        tp_size = args.tensor_model_parallel_size
+        heads = (args.num_attention_heads or 0) // tp_size
+        groups = (args.num_query_groups if args.group_query_attention
+                  else args.num_attention_heads or 0) // tp_size
+        if heads % cp or groups % cp:
+            raise ArgumentError(
+                f"--cp-comm-type a2a splits each tensor-parallel rank's attention heads "
+                f"({heads}) and key/value heads ({groups}) over --context-parallel-size {cp}: "
+                f"they must divide evenly (or use --cp-comm-type p2p)")
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     unit = sequence_multiple(cp, tp)
     if args.seq_length is not None and args.seq_length % unit:

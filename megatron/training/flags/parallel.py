@@ -107,12 +107,12 @@ class DistributedArgs:
     use_torch_fsdp2: bool = unavailable(False, "FSDP2 is not implemented; shard optimizer "
                                         "state with --use-distributed-optimizer")
     context_parallel_size: int = option(
-        1, "context-parallel degree: each sequence split over this many ranks (attention "
-        "gathers the keys and values; local attention, --transformer-impl local)")
+        1, "context-parallel degree: each sequence split over this many ranks (local "
+        "attention, --transformer-impl local)")
     cp_comm_type: list[str] = option(
         ["p2p"], "upstream's key/value exchange under context parallelism, one value or one per "
-        "layer; all compute the same attention, which this tree's local attention runs by "
-        "all-gather: " + ", ".join(CP_COMM_TYPES), nargs="+")
+        "layer; all compute the same attention: a2a trades rows for heads (all-to-all), the "
+        "others gather the keys and values here: " + ", ".join(CP_COMM_TYPES), nargs="+")
     hierarchical_context_parallel_sizes: Optional[list[int]] = option(
         None, "with --cp-comm-type a2a+p2p, the context-parallel size as a product (checked; "
         "the attention is the same)", nargs="+")
