@@ -94,6 +94,11 @@ def test_virtual_pipeline_size_is_derived_as_upstream(world, argv, vpp):
      "--cp-comm-type ring: one of p2p, all_gather, a2a, a2a"),
     (2, ["--context-parallel-size", "2", "--seq-length", "32", "--num-layers", "3",
          "--cp-comm-type", "p2p", "a2a"], "one value or one per layer"),
+    (1, ["--error-injection-rate", "-1", "--rerun-mode", "validate_results"],
+     "--error-injection-rate must be >= 0"),
+    (1, ["--error-injection-rate", "100"],
+     "--error-injection-rate tests the re-runs of --rerun-mode validate_results; with "
+     "--rerun-mode disabled it would inject nothing"),
     (4, ["--context-parallel-size", "4", "--seq-length", "32", "--num-attention-heads", "8",
          "--group-query-attention", "--num-query-groups", "2", "--cp-comm-type", "a2a"],
      "--cp-comm-type a2a splits each tensor-parallel rank's attention heads (8) and key/value "

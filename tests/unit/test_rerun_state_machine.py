@@ -227,3 +227,12 @@ def test_disabled_ignores_a_saved_state():
     disabled = RerunStateMachine()
     disabled.load_state_dict(machine.state_dict())
     assert disabled.state == RerunState.NOT_RUNNING_YET
+
+
+def test_misuse_is_named():
+    machine = validating()
+    with pytest.raises(RuntimeError, match="outside the should_run_forward_backward loop"):
+        machine.validate_result(torch.tensor(1.0), torch.isnan, "loss")
+    with pytest.raises(ValueError, match="error injection rate must be >= 0"):
+        RerunErrorInjector(-1)
+
