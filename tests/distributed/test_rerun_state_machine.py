@@ -133,3 +133,18 @@ def test_upstream_s_rerun_ci_configurations_scaled_down(data, tmp_path):
     assert result.returncode == FAILED, result.stdout[-4000:]
     assert re.search(r"Rank [0-9]+, node [0-9a-z-]+, device -?[0-9]+, iteration #2: Possible "
                      r"transient error!!", result.stdout)
+
+
+def test_a_real_nan_reproduces_and_is_diagnosed_as_what_the_input_gives(data, tmp_path):
+    # No injection: a learning rate of 1e12 makes the second iteration's loss NaN.
+    flags = [*VALIDATE, "--lr", "1e12", "--lr-warmup-iters", "0", "--clip-grad", "0",
+             "--save", str(tmp_path / "ckpt")]
+    code, output = _job(data, 1, *flags)
+    assert code == RESUME, output[-3000:]
+    assert "First rerun: unexpected result is reproducible within the tolerance (nan = nan)" \
+        in output
+    code, output = _job(data, 1, *flags, "--load", str(tmp_path / "ckpt"),
+                        script=_other_node_script(tmp_path))
+    assert code == FAILED, output[-3000:]
+    assert "Correct result (but possible Application error) (found NaN in local forward loss " \
+           "calculation (look at the batch this rank read and at the learning rate" in output
