@@ -9,7 +9,8 @@ and sequence parallelism run inside TE, over the same group as the local backend
 ``use_cpu_initialization`` weights are filled like the local layers' (the full master weight
 drawn on the CPU, then this rank's shard), else TE initialises them on the GPU. TE's attention
 reads its kernel choice (``attention_backend``) and query-key layer scaling from NVTE_*
-environment variables, which the attention module exports from the config.
+environment variables, which the attention module exports from the config; with context
+parallelism TE's attention runs the exchange itself (``_context_parallel_kwargs``).
 
 Without an importable Transformer Engine every entry point raises RuntimeError naming
 ``--transformer-impl local``.
@@ -18,6 +19,7 @@ Without an importable Transformer Engine every entry point raises RuntimeError n
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -153,6 +155,37 @@ def _mark_sequence_parallel(config, *params) -> None:
             param.sequence_parallel = config.sequence_parallel
 
 
+def _context_parallel_kwargs(attention_class, config, cp_comm_type) -> dict[str, Any]:
+    """What TE's attention needs to run context parallelism itself (as upstream passes it):
+    the group, its global ranks, a side stream, and the exchange (TE >= 1.10 takes it; older
+    ones run the p2p ring only). The data and rope are split as for the local attention."""
+    if config.context_parallel_size == 1:
+        return {}
+    from megatron.core import parallel_state
+
+    comm = cp_comm_type or "p2p"
+    if comm == "a2a+p2p":
+        raise ValueError("cp_comm_type 'a2a+p2p' needs hierarchical context-parallel groups, "
+                         "which this tree does not create: use another --cp-comm-type, or "
+                         "--transformer-impl local")
+    kwargs = {"cp_group": parallel_state.get_context_parallel_group(),
+              "cp_global_ranks": parallel_state.get_context_parallel_global_ranks(),
+              "cp_stream": _cp_stream()}
+    if "cp_comm_type" in inspect.signature(attention_class.__init__).parameters:
+        kwargs["cp_comm_type"] = comm
+    elif comm != "p2p":
+        raise ValueError(f"this Transformer Engine runs context parallelism as the p2p ring "
+                         f"only (cp_comm_type {comm!r} needs TE >= 1.10): use --cp-comm-type "
+                         f"p2p, or --transformer-impl local")
+    return kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _cp_stream() -> torch.cuda.Stream:
+    """One side stream for every layer's context-parallel exchange, as upstream shares it."""
+    return torch.cuda.Stream()
+
+
 @functools.lru_cache(maxsize=None)
 def _te_classes() -> SimpleNamespace:
     """Subclasses of TE modules with the local layers' constructor and return conventions."""
@@ -227,10 +260,6 @@ def _te_classes() -> SimpleNamespace:
         def __init__(self, config, layer_number, attn_mask_type, attention_type,
                      attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                      tp_group=None):
-            if config.context_parallel_size > 1:
-                raise ValueError(
-                    "context parallelism runs this tree's local attention, not Transformer "
-                    "Engine's: use --transformer-impl local with --context-parallel-size > 1")
             apply_attention_backend_environment(config.attention_backend,
                                                 config.apply_query_key_layer_scaling)
             self.default_mask_type = attn_mask_type
@@ -246,6 +275,7 @@ def _te_classes() -> SimpleNamespace:
                 get_rng_state_tracker=_rng_tracker_getter(), tp_group=resolve_tp_group(tp_group),
                 layer_number=layer_number, attention_type=attention_type,
                 softmax_scale=softmax_scale,
+                **_context_parallel_kwargs(te.DotProductAttention, config, cp_comm_type),
             )
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,

@@ -149,9 +149,10 @@ def _check_context_parallel(args: argparse.Namespace) -> None:
                             f"{args.num_layers}), got {len(args.cp_comm_type)}")
     if cp == 1:
         return
-    if args.transformer_impl != "local":
-        raise ArgumentError(f"--context-parallel-size {cp} runs this tree's local attention, "
-                            f"not Transformer Engine's: add --transformer-impl local")
+    if args.transformer_impl != "local" and "a2a+p2p" in args.cp_comm_type:
+        raise ArgumentError("--cp-comm-type a2a+p2p with Transformer Engine's attention needs "
+                            "hierarchical context-parallel groups, which this tree does not "
+                            "create: use another --cp-comm-type, or --transformer-impl local")
     if args.reset_attention_mask and args.create_attention_mask_in_dataloader:
         raise ArgumentError(f"--reset-attention-mask builds an attention mask per batch, which "
                             f"--context-parallel-size {cp} cannot split; drop one of them")

@@ -107,8 +107,8 @@ class DistributedArgs:
     use_torch_fsdp2: bool = unavailable(False, "FSDP2 is not implemented; shard optimizer "
                                         "state with --use-distributed-optimizer")
     context_parallel_size: int = option(
-        1, "context-parallel degree: each sequence split over this many ranks (local "
-        "attention, --transformer-impl local)")
+        1, "context-parallel degree: each sequence split over this many ranks (this tree's "
+        "attention, or Transformer Engine's where it is installed)")
     cp_comm_type: list[str] = option(
         ["p2p"], "upstream's key/value exchange under context parallelism, one value or one per "
         "layer; all compute the same attention: a2a trades rows for heads (all-to-all), the "
