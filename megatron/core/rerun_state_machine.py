@@ -201,7 +201,9 @@ class RerunStateMachine:
         self.max_values: dict[str, float] = {}
         self.saved_results: dict[Call, Any] = {}
         self.stats: dict[Caller, QuickStats] = defaultdict(QuickStats)
-        _log_rank0(logging.WARNING, f"RerunStateMachine initialized in mode {self.mode}")
+        # Upstream's line; a warning only where the machine does more than check once.
+        _log_rank0(logging.INFO if self.mode == RerunMode.DISABLED else logging.WARNING,
+                   f"RerunStateMachine initialized in mode {self.mode}")
 
     def set_mode(self, mode: RerunMode) -> None:
         self.mode = RerunMode(mode)
