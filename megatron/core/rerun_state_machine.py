@@ -34,6 +34,7 @@ a rejected fatal result there raises as in ``disabled`` rather than training on 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -110,6 +111,17 @@ class RerunState(Enum):
     RERUNNING_AGAIN_FROM_CHECKPOINT = 5  # resumed on the suspect device: resume again
 
 
+# What a line of the rejected-result tracker file records: a rejection while disabled, in an
+# initial run, and the verdicts of each re-run (later upstream's names, each value its name in
+# lower case).
+RerunValidationStatus = Enum("RerunValidationStatus", {
+    status.upper(): status for status in (
+        "rerun_disabled", "initial_run",
+        *(f"{which}_rerun_{verdict}" for which in ("first", "second")
+          for verdict in ("not_reproducible", "reproducible")))},
+    type=str, module=__name__, qualname="RerunValidationStatus")
+
+
 # The saved fields besides the mode, the state, the iteration, the injector and the data.
 _PER_RANK_FIELDS = ("rerun_requested", "checkpoint_requested", "restart_again_requested",
                     "continue_requested", "failed_validation_call", "initial_result",
@@ -173,8 +185,13 @@ class RerunStateMachine:
     def __init__(self, state_save_func: Optional[Callable[[], Any]] = None,
                  state_restore_func: Optional[Callable[[Any], None]] = None,
                  mode: RerunMode = RerunMode.DISABLED,
-                 error_injector: Optional["RerunErrorInjector"] = None) -> None:
+                 error_injector: Optional["RerunErrorInjector"] = None,
+                 result_rejected_tracker_filename: Optional[str] = None) -> None:
         self.mode = RerunMode(mode)
+        self.result_rejected_tracker_filename = result_rejected_tracker_filename
+        if result_rejected_tracker_filename is not None:
+            with open(result_rejected_tracker_filename, "a"):  # fail now, not at a fault
+                pass
         self.state = RerunState.NOT_RUNNING_YET
         self.current_iteration = -1  # 0-based; messages show it 1-based
         self.first_iteration_complete = False
@@ -354,13 +371,30 @@ class RerunStateMachine:
             comparison = self.error_injector.maybe_miscompare(compare, self.initial_result,
                                                               result, self.state)
             if self.state == RerunState.RERUNNING_IN_PLACE:
-                self._judge_first_rerun(result, comparison > tolerance, fatal)
+                self._judge_first_rerun(result, comparison > tolerance, message, fatal)
             else:
                 self._judge_second_rerun(result, comparison > tolerance, message, fatal)
+
+    def _track(self, status: RerunValidationStatus, result: Any, message: str) -> None:
+        """A line in ``result_rejected_tracker_filename`` (later upstream's format), where set:
+        one file many jobs append to tells which nodes keep failing."""
+        if self.result_rejected_tracker_filename is None:
+            return
+        node, device = _this_device()
+        line = (f"ts={datetime.datetime.now()} node={node} device={device} "
+                f"jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={_rank()} "
+                f"iteration={self.current_iteration + 1} status={status.value} "
+                f"result={_as_float(result)} message='{message}'\n")
+        try:
+            with open(self.result_rejected_tracker_filename, "a") as tracker:
+                tracker.write(line)
+        except OSError as error:  # the diagnosis goes on without the record
+            logger.error(f"could not append to {self.result_rejected_tracker_filename}: {error}")
 
     def _check_once(self, result: Any, rejection_func, message: str, fatal: bool) -> None:
         if not rejection_func(result):
             return
+        self._track(RerunValidationStatus.RERUN_DISABLED, result, message)
         node, device = _this_device()
         text = (f"Rank {_rank()}, node {node}, device {device}, iteration "
                 f"{self.current_iteration + 1}: Unexpected result {_as_float(result)} "
@@ -373,6 +407,7 @@ class RerunStateMachine:
         self.failed_validation_call = call
         self.initial_result = _detached(result)
         self.rerun_requested = True
+        self._track(RerunValidationStatus.INITIAL_RUN, result, message)
         logger.error(f"Unexpected result {_as_float(result)} on rank {_rank()} at iteration "
                      f"#{self.current_iteration + 1} invocation #{call.sequence} "
                      f"(message='{message}')")
@@ -383,8 +418,10 @@ class RerunStateMachine:
                    f"Rank {_rank()}, node {node}, device {device}, iteration "
                    f"#{self.current_iteration + 1}: {text}!")
 
-    def _judge_first_rerun(self, result: Any, differs: bool, fatal: bool) -> None:
+    def _judge_first_rerun(self, result: Any, differs: bool, message: str, fatal: bool) -> None:
         first, again = _as_float(self.initial_result), _as_float(result)
+        self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE if differs
+                    else RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, result, message)
         if differs:
             logger.warning(f"First rerun: unexpected result is not reproducible within the "
                            f"tolerance ({again} != {first})")
@@ -405,6 +442,8 @@ class RerunStateMachine:
                          f"{self.suspicious_device})")
             self.restart_again_requested = True
             return
+        self._track(RerunValidationStatus.SECOND_RERUN_NOT_REPRODUCIBLE if differs
+                    else RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, result, message)
         if differs:
             logger.warning(f"Second rerun: unexpected result is not reproducible on a different "
                            f"GPU, therefore was likely incorrect ({again} != {first})")

@@ -115,11 +115,17 @@ def _initialize_rerun_state_machine(args) -> None:
         if saved["rng_tracker_states"]:
             get_cuda_rng_tracker().set_states(saved["rng_tracker_states"])
 
-    initialize_rerun_state_machine(
-        state_save_func=save_tracker, state_restore_func=restore_tracker,
-        mode=RerunMode.from_flag(args.rerun_mode),
-        error_injector=RerunErrorInjector(args.error_injection_rate,
-                                          RerunDiagnostic(args.error_injection_type)))
+    try:
+        initialize_rerun_state_machine(
+            state_save_func=save_tracker, state_restore_func=restore_tracker,
+            mode=RerunMode.from_flag(args.rerun_mode),
+            error_injector=RerunErrorInjector(args.error_injection_rate,
+                                              RerunDiagnostic(args.error_injection_type)),
+            result_rejected_tracker_filename=args.result_rejected_tracker_filename)
+    except OSError as error:
+        raise ArgumentError(f"--result-rejected-tracker-filename "
+                            f"{args.result_rejected_tracker_filename}: cannot append to it "
+                            f"({error.strerror})") from None
 
 
 def setup_logging(args) -> None:

@@ -84,9 +84,13 @@ def test_a_correct_result_and_a_transient_fault(data, tmp_path):
     assert "therefore it was likely correct" in output
     assert "Correct result (but possible Application error)" in output
 
-    code, output = _job(data, 1, *saving, "--error-injection-type", "transient_error")
+    tracker = tmp_path / "rejected.txt"
+    code, output = _job(data, 1, *saving, "--error-injection-type", "transient_error",
+                        "--result-rejected-tracker-filename", str(tracker))
     assert code == FAILED, output[-3000:]
     assert "Possible transient error!" in output
+    assert [line.split("status=")[1].split()[0] for line in tracker.read_text().splitlines()] \
+        == ["initial_run", "first_rerun_not_reproducible"]
     assert "Exiting now. The job can be resumed from a previous checkpoint" in output
 
 

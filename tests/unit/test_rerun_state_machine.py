@@ -236,3 +236,30 @@ def test_misuse_is_named():
     with pytest.raises(ValueError, match="error injection rate must be >= 0"):
         RerunErrorInjector(-1)
 
+
+
+def test_the_tracker_file_gets_a_line_per_rejection_and_verdict(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOBID", "77")
+    tracker = tmp_path / "rejected.txt"
+    machine = validating(result_rejected_tracker_filename=str(tracker))
+    step(machine, [NAN, 2.0])  # transient
+    lines = tracker.read_text().splitlines()
+    assert [line.split(" status=")[1].split(" ")[0] for line in lines] == [
+        "initial_run", "first_rerun_not_reproducible"]
+    assert "jobID=77 rank=0 iteration=2 " in lines[0] and lines[0].endswith("message='the check'")
+    with pytest.raises(IsADirectoryError):
+        RerunStateMachine(result_rejected_tracker_filename=str(tmp_path))
+
+
+def test_an_unwritable_tracker_file_is_named(tmp_path):
+    import argparse
+
+    from megatron.training.arguments import ArgumentError
+    from megatron.training.initialize import _initialize_rerun_state_machine
+
+    args = argparse.Namespace(rerun_mode="disabled", error_injection_rate=0,
+                              error_injection_type="transient_error",
+                              result_rejected_tracker_filename=str(tmp_path))
+    with pytest.raises(ArgumentError, match=f"--result-rejected-tracker-filename {tmp_path}: "
+                                            f"cannot append to it"):
+        _initialize_rerun_state_machine(args)

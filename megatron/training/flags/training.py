@@ -51,6 +51,9 @@ class TrainingArgs:
     error_injection_type: str = option(
         "transient_error", "what the re-runs of an injected rejection find",
         choices=("correct_result", "transient_error", "persistent_error"))
+    result_rejected_tracker_filename: Optional[str] = option(
+        None, "later upstream's: append a line per rejected result and per re-run verdict to "
+        "this file (node, device, job, rank, iteration, status), shared by many jobs")
     distribute_saved_activations: bool = option(
         False, "", accepted="full recomputation keeps each layer's input whole on every "
         "tensor-parallel rank (same results, more memory)")
