@@ -437,7 +437,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).reset()
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
-    should_exit = False
+    should_exit, exit_code = False, 0
     machine = get_rerun_state_machine()
     if machine.state == RerunState.NOT_RUNNING_YET:  # else resumed for a re-run: its own count
         machine.current_iteration = iteration - 1  # its messages number iterations as the log
@@ -457,8 +457,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             train_step(forward_step_func, train_data_iterator, model, optimizer,
                        opt_param_scheduler, config)
         if rerun_exit:
-            _stop_for_the_rerun_state_machine(should_checkpoint, exit_code, iteration, model,
-                                              optimizer, opt_param_scheduler, consumed_samples)
+            if should_checkpoint:
+                exit_code = _save_for_the_rerun(exit_code, iteration, model, optimizer,
+                                                opt_param_scheduler, consumed_samples)
+            should_exit = True
+            break
         iteration += 1
         batch_size = get_current_running_global_batch_size()
         consumed_samples += batch_size
@@ -488,30 +491,25 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     if should_exit:
         metrics_writers.finish()
         _leave_together()
-        raise SystemExit(0)
+        raise SystemExit(exit_code)
     return iteration, consumed_samples
 
 
-def _stop_for_the_rerun_state_machine(should_checkpoint: bool, exit_code: int, iteration: int,
-                                      model, optimizer, opt_param_scheduler,
-                                      consumed_samples: int) -> None:
-    """End the job as the machine decided, saving the iteration's starting state first when
-    it asks (a reproduced fault, to be re-run on another device from that checkpoint)."""
+def _save_for_the_rerun(exit_code: int, iteration: int, model, optimizer, opt_param_scheduler,
+                        consumed_samples: int) -> int:
+    """Save the iteration's starting state, as the rerun state machine asks for a reproduced
+    fault (to be re-run on another device from it); returns the job's exit code, which says
+    there is no diagnosis to come where there is no --save."""
     args = get_args()
-    if should_checkpoint:
-        if args.save:
-            save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
-                                     consumed_samples)
-            print_rank_0(f"rerun state machine: saved iteration {iteration} to {args.save}; "
-                         f"resume with --load {args.save} on other GPUs (exit code {exit_code})")
-        else:
-            exit_code = EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-            print_rank_0("rerun state machine: the rejected result reproduced, but without "
-                         "--save there is no checkpoint to re-run the iteration from on "
-                         "another GPU; stopping without a diagnosis")
-    metrics_writers.finish()
-    _leave_together()
-    raise SystemExit(exit_code)
+    if not args.save:
+        print_rank_0("rerun state machine: the rejected result reproduced, but without --save "
+                     "there is no checkpoint to re-run the iteration from on another GPU; "
+                     "stopping without a diagnosis")
+        return EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+    save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, consumed_samples)
+    print_rank_0(f"rerun state machine: saved iteration {iteration} to {args.save}; resume with "
+                 f"--load {args.save} on other GPUs (exit code {exit_code})")
+    return exit_code
 
 
 def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func, config,

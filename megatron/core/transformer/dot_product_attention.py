@@ -18,7 +18,8 @@ fast path is kept for data loaders that always build one.
 
 With ``config.context_parallel_size`` > 1 the local queries are this rank's two chunks of the
 sequence; keys and values are gathered from the context-parallel group and each chunk attends
-to the keys up to its own end (see :mod:`~megatron.core.transformer.context_parallel`).
+to the keys up to its own end, or with ``cp_comm_type='a2a'`` rows are traded for heads and
+the whole sequence attends at once (see :mod:`~megatron.core.transformer.context_parallel`).
 """
 
 from __future__ import annotations
