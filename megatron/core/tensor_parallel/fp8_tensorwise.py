@@ -20,7 +20,8 @@ numerics as torchao's tensorwise recipe):
   gradient that only fires the buffer's hook, as the bf16 path's fused accumulation does.
 
 On a GPU the casts and the GEMMs (``torch._scaled_mm``) of each direction run as one
-torch.compile'd call, whose kernels fuse each operand's scaling and casts; the weight
+Inductor-compiled call (``fusions.compiled.signature_compiled``: no TorchDynamo guards per
+call), whose kernels fuse each operand's scaling and casts; the weight
 gradient's GEMM runs outside, for its ``out=main_grad``. Without ``recipe.wgrad`` the weight
 gradient is a bf16 GEMM (accumulated in fp32 into ``main_grad`` with ``fuse_wgrad``) on the
 saved bf16 input.
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.fusions.compiled import signature_compiled
 from megatron.core.tensor_parallel.collectives import all_gather_first_dim, all_reduce, \
     group_size, reduce_scatter_first_dim
 from megatron.core.tensor_parallel.weight_grad import added_to_main_grad, claim_zero_main_grad, \
@@ -173,10 +175,10 @@ class _Steps(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _steps(compiled: bool) -> _Steps:
-    """The steps, each one compiled call on a GPU (eagerly each cast is several kernels, and
-    one call per linear and direction keeps the host work at torchao's)."""
+    """The steps, each one compiled call on a GPU (eagerly each cast is several kernels), per
+    signature, without TorchDynamo's per-call guards: two calls per linear and step."""
     steps = _Steps(_forward, _forward_with, _backward, _cast_weight, _cast_shard)
-    return _Steps(*(torch.compile(step) for step in steps)) if compiled else steps
+    return _Steps(*(signature_compiled(step) for step in steps)) if compiled else steps
 
 
 def _keep(weight: torch.Tensor, fields) -> _WeightCasts:
