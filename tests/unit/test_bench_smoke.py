@@ -67,6 +67,12 @@ def test_recorder_overhead_prints_its_ratio():
     assert_ratio_line(output, "recorder on/off")
 
 
+def test_fp8_host_prints_its_arms_and_ratio():
+    output = run_bench("fp8_host.py")
+    assert "fp8 torch.compile" in output and "signature-compiled/torch.compile" in output
+    assert_ratio_line(output, "fp8 signature-compiled/bf16 host time")
+
+
 def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
     pytest.importorskip("torchao.float8")
     data = tmp_path / "corpus"
