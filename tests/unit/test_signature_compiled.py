@@ -72,3 +72,14 @@ def test_past_the_limit_one_dynamic_graph_serves_the_rest(compiles, monkeypatch)
         assert torch.equal(fast(x, 448.0, True)[0].view(torch.uint8),
                            scaled_cast(x, 448.0, True)[0].view(torch.uint8))
     assert len(compiles) == 2 and dynamic == [scaled_cast]
+
+
+def test_a_call_autograd_must_record_goes_to_torch_compile(compiles):
+    fast = signature_compiled(lambda x, scale: (x * scale).sin())
+    x = torch.randn(8, 4, requires_grad=True)
+    fast(x, 2.0).sum().backward()
+    assert torch.allclose(x.grad, 2.0 * (x.detach() * 2.0).cos())
+    assert compiles == []
+    with torch.no_grad():
+        fast(x, 2.0)
+    assert len(compiles) == 1

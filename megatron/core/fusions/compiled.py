@@ -48,18 +48,24 @@ class _SignatureCompiled:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args):
+            return self._dynamic(*args)  # the generated code would not record the graph
         key = tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
                     else a for a in args)
         entry = self.kernels.get(key)
         if entry is None:
             if len(self.kernels) >= self.max_signatures:
                 # Many signatures (variable sequence lengths): one graph with dynamic shapes.
-                if self.dynamic is None:
-                    self.dynamic = torch.compile(self.fn)
-                return self.dynamic(*args)
+                return self._dynamic(*args)
             entry = self.kernels[key] = _compile_for(self.fn, args)
         positions, call = entry
         return call(*[args[i] for i in positions])
+
+    def _dynamic(self, *args):
+        if self.dynamic is None:
+            self.dynamic = torch.compile(self.fn)
+        return self.dynamic(*args)
 
 
 def _compile_for(fn: Callable, args: tuple) -> tuple[list[int], Callable]:
@@ -83,9 +89,9 @@ def _compile_for(fn: Callable, args: tuple) -> tuple[list[int], Callable]:
 
 def signature_compiled(fn: Callable, max_signatures: int = _MAX_SIGNATURES) -> Callable:
     """``fn`` compiled per argument signature (see the module's docstring); past
-    ``max_signatures`` of them, one torch.compile'd graph serves the rest. ``fn`` takes tensors
-    and hashable constants, returns tensors (or None), and is called with gradients off or on
-    tensors that need none. Without ``torch._inductor.standalone_compile`` (torch before 2.8),
+    ``max_signatures`` of them, one torch.compile'd graph serves the rest, as it serves calls
+    that autograd must record (gradients on, a tensor requiring one). ``fn`` takes tensors and
+    hashable constants and returns tensors (or None). Without ``torch._inductor.standalone_compile`` (torch before 2.8),
     torch.compile."""
     try:
         from torch._inductor import standalone_compile  # noqa: F401
