@@ -57,6 +57,9 @@ REPRESENTATIVE = {
                             ()),
     "main_tp2_pp2_cp2_per_token_loss": (
         "main/gpt3_mcore_te_tp2_pp2_cp2_calculate_per_token_loss", ()),
+    # The legacy GPT's (--use-legacy-models: the megatron-core GPT in its place), fp16 with
+    # query-key layer scaling, interleaved.
+    "legacy_tp1_pp4_vp1_fp16": ("gpt3_mr_tp1_pp4_vp1_dgx_a100_1N8G", ()),
     # Later upstream's 15B release recipe: its batch size follows a step schedule.
     "main_15b_release_step_schedule": ("main/gpt3_15b_8t_release_sm", ()),
 }

@@ -5,10 +5,10 @@ tests/data/upstream_core_v0_11/gpt_ci_configs.jsonl holds the flag sets of upstr
 command line upstream's harness builds from them, and ENV_VARS). Each must either validate as
 ``pretrain_gpt.py`` would on its GPUs (8, unless the configuration's ``gpus`` says otherwise),
 or be refused with lines that each name a flag. Every
-configuration that uses none of the features this tree leaves out (mixture of experts, legacy
-models, fp8 parameters, FSDP2, ModelOpt) must be accepted: the FP8 ones too (through torchao),
-and since 2026-12-05 those with context parallelism (and dense models that set an expert
-tensor-parallel size).
+configuration that uses none of the features this tree leaves out (mixture of experts, fp8
+parameters, FSDP2, ModelOpt) must be accepted: the FP8 ones too (through torchao), and since
+2026-12-05 those with context parallelism (and dense models that set an expert tensor-parallel
+size) and those of the legacy GPT (``--use-legacy-models``: the megatron-core GPT in its place).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ PATHS = {"${DATA_PATH}": "/data", "$DATA_BLEND": "/data/blend", "${DATA_CACHE_PA
          "${CHECKPOINT_LOAD_PATH}": "/ckpt", "${OUTPUT_PATH}": "/out",
          "${TENSORBOARD_PATH}": "/tb", "${WANDB_EXPERIMENT}": "run",
          "${REPEAT}": "1"}  # the repetition number upstream's harness fills in
-OUT_OF_SCOPE = ("--num-experts", "--use-legacy-models", "--use-torch-fsdp2",
+OUT_OF_SCOPE = ("--num-experts", "--use-torch-fsdp2",
                 "--fp8-param-gather",
                 "--export-te-mcore-model", "--export-kd-cfg", "--export-kd-teacher-load")
 
@@ -72,7 +72,7 @@ def check_runs_or_is_refused_flag_by_flag(config: dict, monkeypatch, in_scope) -
 
 def test_the_facts_hold_all_of_upstream_s_gpt_configurations():
     assert len(CONFIGS) == 132
-    assert sum(in_scope(config) for config in CONFIGS) == 89
+    assert sum(in_scope(config) for config in CONFIGS) == 108
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda config: config["name"])

@@ -124,12 +124,12 @@ def test_refused_flags_stop_the_run_in_one_line_naming_them(one_rank, field):
 
 
 def test_all_refused_flags_are_named_at_once(one_rank):
-    argv = ["--distributed-backend", "gloo", "--num-experts", "8", "--use-legacy-models",
+    argv = ["--distributed-backend", "gloo", "--num-experts", "8", "--use-torch-fsdp2",
             "--tp-comm-overlap", "--fp8-param-gather"]
     with pytest.raises(ArgumentError) as raised:
         validate_args(parse_args(argv=argv))
     named = [line.split(":")[0] for line in str(raised.value).splitlines()]
-    assert named == ["--use-legacy-models", "--tp-comm-overlap", "--fp8-param-gather",
+    assert named == ["--tp-comm-overlap", "--use-torch-fsdp2", "--fp8-param-gather",
                      "--num-experts 8"]
 
 

@@ -63,12 +63,14 @@ def upstream_path(tmp_path_factory) -> list[Path]:
     return upstream_python_path(tmp_path_factory.mktemp("upstream-packages"))
 
 
-def upstream_state(python_path: list[Path], argv: list[str], out: Path) -> dict:
+def upstream_state(python_path: list[Path], argv: list[str], out: Path,
+                   tokens: list[list[int]] | None = None) -> dict:
     env = {**upstream_environment(python_path, world_size=1), "RANK": "0", "LOCAL_RANK": "0",
            # upstream's validate_args insists on it (it overlaps kernels with communication)
            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     saved, log = out / "upstream.pt", out / "upstream.log"
-    command = [sys.executable, str(RANK_SCRIPT), json.dumps({"argv": argv, "out": str(saved)})]
+    request = {"argv": argv, "out": str(saved), **({"tokens": tokens} if tokens else {})}
+    command = [sys.executable, str(RANK_SCRIPT), json.dumps(request)]
     codes = run_with_deadline(command, [env], [log], give_up_at=time.monotonic() + DEADLINE_S)
     tail = "\n".join(log.read_text().splitlines()[-25:])
     assert codes == [0] and saved.exists(), f"upstream exit code {codes}:\n{tail}"

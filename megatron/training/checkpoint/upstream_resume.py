@@ -54,18 +54,21 @@ def load_upstream_checkpoint(model, optimizer, opt_param_scheduler,
     if difference:
         raise CheckpointError(f"checkpoint {path} ({source.format}) is of another model shape: "
                               f"{difference}")
-    with_optimizer = not (args.finetune or args.no_load_optim)
+    # Without an optimizer (evaluation, conversion tools), as upstream: the weights only.
+    with_optimizer = optimizer is not None and not (args.finetune or args.no_load_optim)
     check_shared_keys(source, model, args.dist_ckpt_strictness, with_optimizer)
     if with_optimizer and not source.optimizer_shapes():
         raise CheckpointError(source.optimizer_problem())
     load_model_tensors(model, source)
-    optimizer.reload_model_params()
+    if optimizer is not None:
+        optimizer.reload_model_params()
     if args.finetune:
         print_rank_0(f"  loaded model weights from {path} ({source.format}) for finetuning")
         return 0, 0
     if with_optimizer:
         restore_optimizer(source, model, optimizer)
-        restore_scheduler(opt_param_scheduler, source)
+        if opt_param_scheduler is not None:
+            restore_scheduler(opt_param_scheduler, source)
         loaded = "model weights, optimizer state and scheduler"
     else:
         loaded = "model weights; optimizer and scheduler start afresh"

@@ -7,7 +7,9 @@ layer indices local to each chunk, plus ``args`` (a Namespace), ``checkpoint_ver
 and ``num_floating_point_operations_so_far``; upstream's distributed optimizer keeps its
 parameter state in ``distrib_optim.pt`` beside it. Chunks hold contiguous runs of layers, in
 the order (virtual stage, pipeline rank), which gives every local index its global one without
-knowing how upstream divided the layers. Every file is read with ``safe_load``.
+knowing how upstream divided the layers. Every file is read with ``safe_load``. A legacy GPT's
+files (``--use-legacy-models``) nest its model by module and name it differently
+(``legacy_model_names``): read under the megatron-core GPT's names, it is the same model.
 
 Optimizer state (``upstream_torch_optimizer``) is offered under canonical names, tensor-parallel
 shards joined, for the plain optimizers and the distributed one alike; each rank file's RNG and
@@ -23,7 +25,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from megatron.core.dist_checkpointing import safe_load
+from megatron.core.dist_checkpointing import legacy_model_names, safe_load
 from megatron.core.dist_checkpointing.upstream_names import (
     EXTRA_STATE, layer_name, split_layer, to_local, tp_partition,
 )
@@ -37,7 +39,6 @@ from megatron.training.checkpoint.upstream_torch_optimizer import (
 )
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_LEGACY_MODEL_PREFIX = "language_model."
 
 
 def is_torch_checkpoint(path: str) -> bool:
@@ -51,6 +52,23 @@ def _chunk_keys(state: dict, file: str) -> list[str]:
     if not keys:
         raise CheckpointFormatError(f"{file} holds no 'model' or 'model0' entry")
     return keys
+
+
+def _rename_legacy_model(state: dict, file: str) -> None:
+    """A legacy GPT's chunks (``--use-legacy-models``: one nested dictionary per module level)
+    in place as megatron-core GPT state dicts: flat, under canonical local names, in the
+    saved order (the optimizer's parameter numbering follows it); the extra state of its
+    linear layers (empty without Transformer Engine) is left out."""
+    for chunk_key in _chunk_keys(state, file):
+        chunk = state[chunk_key]
+        if not legacy_model_names.is_legacy_model_state(chunk):
+            continue
+        try:
+            state[chunk_key] = {legacy_model_names.to_canonical(name): tensor
+                                for name, tensor in legacy_model_names.flatten(chunk).items()
+                                if not name.endswith(EXTRA_STATE)}
+        except legacy_model_names.UnknownLegacyName as error:
+            raise CheckpointFormatError(f"{file}: {error.args[0]}") from None
 
 
 class TorchSource(CheckpointSource):
@@ -72,6 +90,8 @@ class TorchSource(CheckpointSource):
                         f"is incomplete")
         self._files = {key: os.path.join(path, entry, MODEL_FILE) for key, entry in ranks.items()}
         self._states = {key: safe_load.load(file, mmap=True) for key, file in self._files.items()}
+        for key, state in self._states.items():
+            _rename_legacy_model(state, self._files[key])
         first, first_file = self._states[(0, 0)], self._files[(0, 0)]
         version = first.get("checkpoint_version")
         if version != CHECKPOINT_VERSION:
@@ -115,11 +135,6 @@ class TorchSource(CheckpointSource):
                     raise CheckpointFormatError(f"{file} has no {chunk_key!r}")
                 layers = set()
                 for local, tensor in chunk.items():
-                    if local.startswith(_LEGACY_MODEL_PREFIX):
-                        raise CheckpointFormatError(
-                            f"{file} holds a legacy (pre-megatron.core) model ({local}); convert "
-                            f"it to a megatron.core GPTModel checkpoint with upstream's tools "
-                            f"first")
                     if not torch.is_tensor(tensor) or local.endswith(EXTRA_STATE):
                         continue
                     if tied and local == "output_layer.weight":

@@ -88,9 +88,12 @@ class NetworkSizeArgs:
     untie_embeddings_and_output_weights: bool = option(False, "separate output-layer weights")
     multi_latent_attention: bool = unavailable(False, _MLA)
     qk_layernorm: bool = option(False, "normalise queries and keys per head before attention")
-    use_legacy_models: bool = unavailable(
-        False, "upstream's legacy GPT modules (other module and checkpoint names) are not "
-        "implemented; the megatron-core GPT here computes the same model")
+    use_legacy_models: bool = option(
+        False, "", accepted="the megatron-core GPT trains in place of upstream's legacy GPT: "
+        "the same network under other names (from the same weights the same logits, tested "
+        "against upstream's legacy GPT); a legacy GPT's --ckpt-format torch checkpoints load, "
+        "and checkpoints are saved under megatron-core names, which upstream loads without "
+        "this flag")
     deprecated_use_mcore_models: bool = option(
         False, "", flags=("--use-mcore-models",),
         accepted="megatron-core models are the only kind here")
