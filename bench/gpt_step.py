@@ -276,8 +276,11 @@ def write_profile(args, torch, run) -> None:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    # Kernels and copies only: a compiled graph's annotation spans its kernels and the gaps
+    # between them.
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+                     if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not getattr(e, "is_user_annotation", False))
     busy, reach = 0.0, -math.inf
     for begin, end in kernels:  # the union of kernel intervals, in microseconds
         busy += max(0.0, end - max(begin, reach))
