@@ -54,8 +54,7 @@ def load_upstream_checkpoint(model, optimizer, opt_param_scheduler,
     if difference:
         raise CheckpointError(f"checkpoint {path} ({source.format}) is of another model shape: "
                               f"{difference}")
-    # Without an optimizer (evaluation, conversion tools), as upstream: the weights only.
-    with_optimizer = optimizer is not None and not (args.finetune or args.no_load_optim)
+    with_optimizer = not (args.finetune or args.no_load_optim)
     check_shared_keys(source, model, args.dist_ckpt_strictness, with_optimizer)
     if with_optimizer and not source.optimizer_shapes():
         raise CheckpointError(source.optimizer_problem())
@@ -66,7 +65,10 @@ def load_upstream_checkpoint(model, optimizer, opt_param_scheduler,
         print_rank_0(f"  loaded model weights from {path} ({source.format}) for finetuning")
         return 0, 0
     if with_optimizer:
-        restore_optimizer(source, model, optimizer)
+        # Without an optimizer or scheduler (evaluation, conversion tools), as upstream: the
+        # rest only.
+        if optimizer is not None:
+            restore_optimizer(source, model, optimizer)
         if opt_param_scheduler is not None:
             restore_scheduler(opt_param_scheduler, source)
         loaded = "model weights, optimizer state and scheduler"
