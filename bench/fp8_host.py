@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def gemm_stand_in(torch):
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype=None, use_fast_accum=False, out=None):
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False,
+                  out=None):
         if out is not None:
             return out
         return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or a.dtype)

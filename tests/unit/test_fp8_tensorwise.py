@@ -209,3 +209,30 @@ def test_the_schedules_run_their_microbatches_with_weights_unchanged():
         num_microbatches=3, seq_length=1, micro_batch_size=1, forward_only=False)
     assert seen == [True] * 3
     assert fp8_tensorwise._CACHE is None
+
+
+def test_the_bias_is_added_in_the_gemm_epilogue():
+    """The bias goes into the float8 GEMM (fp32 before the output's rounding, as bf16 addmm
+    adds it) instead of a kernel of its own; its gradient is the output gradient's sum."""
+    from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe, fp8_linear
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 2, 64, generator=gen).bfloat16()
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    grad = torch.randn(32, 2, 48, generator=gen).bfloat16()
+    results = []
+    for fused in (True, False):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, weight, bias))
+        kwargs = dict(sequence_parallel=False, allreduce_dgrad=False, group=None)
+        if fused:
+            y = fp8_linear(xs, ws, bs, Fp8Recipe("hybrid"), **kwargs)
+        else:
+            y = fp8_linear(xs, ws, None, Fp8Recipe("hybrid"), **kwargs) + bs
+        y.backward(grad)
+        results.append((y.float(), xs.grad, ws.grad, bs.grad))
+    (y, *grads_fused), (y_after, *grads_after) = results
+    step = y_after.abs().max() * 2 ** -7  # one bf16 rounding of the largest output
+    assert (y - y_after).abs().max() <= step
+    for fused, after in zip(grads_fused, grads_after):
+        assert torch.equal(fused, after)

@@ -95,21 +95,22 @@ def _cast_shard(shard, amax, dtype: torch.dtype):
     return _to_float8(shard, scale, dtype).contiguous(), scale.reciprocal()
 
 
-def _forward(input_, weight, rows: int, wgrad_fp8: bool):
-    """Cast both operands and multiply: the output, the transposed float8 input for the weight
-    gradient (with ``wgrad_fp8``) and the input's inverse scale, then the weight's casts."""
+def _forward(input_, weight, rows: int, wgrad_fp8: bool, bias=None):
+    """Cast both operands and multiply (adding ``bias`` in the GEMM's epilogue): the output,
+    the transposed float8 input for the weight gradient (with ``wgrad_fp8``) and the input's
+    inverse scale, then the weight's casts."""
     weight8, weight8_t, inverse = _cast_weight(weight)
-    return (*_forward_with(input_, weight8, inverse, rows, wgrad_fp8), weight8, weight8_t,
+    return (*_forward_with(input_, weight8, inverse, rows, wgrad_fp8, bias), weight8, weight8_t,
             inverse)
 
 
-def _forward_with(input_, weight8, weight_inverse, rows: int, wgrad_fp8: bool):
+def _forward_with(input_, weight8, weight_inverse, rows: int, wgrad_fp8: bool, bias=None):
     """``_forward`` for a weight already cast."""
     e4m3 = torch.float8_e4m3fn
     scale = _scale(input_, e4m3)
     inverse = scale.reciprocal()
     output = torch._scaled_mm(_to_float8(input_, scale, e4m3).contiguous(), weight8.t(),
-                              inverse, weight_inverse, out_dtype=input_.dtype,
+                              inverse, weight_inverse, bias=bias, out_dtype=input_.dtype,
                               use_fast_accum=True)
     input8_t = _transposed(input_, scale, e4m3, rows) if wgrad_fp8 else None
     return output, input8_t, inverse
@@ -211,29 +212,31 @@ def _padded(count: int) -> int:
 
 
 class Fp8TensorwiseMatmul(torch.autograd.Function):
-    """``input_ @ weight.T`` (input ``[..., k]``, weight ``[n, k]``) in float8, scaled per
-    tensor: e4m3 input and weight, ``grad_dtype`` output gradient. With ``dgrad_group`` the
-    input gradient is summed over that group (a column-parallel layer's input, replicated across
-    it) while the weight gradient is computed."""
+    """``input_ @ weight.T (+ bias)`` (input ``[..., k]``, weight ``[n, k]``) in float8, scaled
+    per tensor: e4m3 input and weight, ``grad_dtype`` output gradient; the bias is added in the
+    GEMM's epilogue, as the bf16 linear's addmm adds it. With ``dgrad_group`` the input
+    gradient is summed over that group (a column-parallel layer's input, replicated across it)
+    while the weight gradient is computed."""
 
     @staticmethod
     def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled,
-                dgrad_group=None):
+                dgrad_group=None, bias=None):
         steps = _steps(compiled)
         flat = input_.reshape(-1, input_.shape[-1])
         rows = _padded(flat.shape[0])
         casts = _cached(weight)
         if casts is not None:
             output, input8_t, input_inverse = steps.forward_with(
-                flat, casts.weight8, casts.inverse, rows, wgrad_fp8)
+                flat, casts.weight8, casts.inverse, rows, wgrad_fp8, bias)
         else:  # the weight's casts in the same call
             output, input8_t, input_inverse, *weight_casts = steps.forward(flat, weight, rows,
-                                                                           wgrad_fp8)
+                                                                           wgrad_fp8, bias)
             casts = _keep(weight, weight_casts)
         ctx.save_for_backward(input8_t if wgrad_fp8 else input_, input_inverse, weight,
                               casts.weight8_t, casts.inverse)
         ctx.grad_dtype, ctx.wgrad_fp8, ctx.fuse_wgrad = grad_dtype, wgrad_fp8, fuse_wgrad
         ctx.compiled, ctx.input_shape, ctx.dgrad_group = compiled, input_.shape, dgrad_group
+        ctx.bias_grad = bias is not None and bias.requires_grad
         return output.reshape(*input_.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -259,13 +262,14 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
             grad_weight = weight_grad_for_autograd(
                 weight, flat_grad, saved_input.reshape(-1, saved_input.shape[-1]),
                 ctx.fuse_wgrad)
+        grad_bias = flat_grad.sum(dim=0) if ctx.bias_grad else None
         if reduction is not None:
             reduction.wait()
-        return grad_input, grad_weight, None, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None, grad_bias
 
 
 class Fp8SequenceParallelMatmul(torch.autograd.Function):
-    """``all_gather(shard) @ weight.T`` for a sequence-parallel input shard ``[s/tp, b, k]``
+    """``all_gather(shard) @ weight.T (+ bias)`` for a sequence-parallel input shard ``[s/tp, b, k]``
     (the column-parallel linears), FP8 weight gradient included: the shard is cast with the
     scale of the whole gathered input (its amax reduced over ``group``: the same float8 values
     as casting after a bf16 gather) and gathered in float8, half the bytes; backward keeps the
@@ -273,7 +277,7 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
     shard, and reduce-scatters the input gradient back to the shard."""
 
     @staticmethod
-    def forward(ctx, shard, weight, grad_dtype, fuse_wgrad, compiled, group):
+    def forward(ctx, shard, weight, grad_dtype, fuse_wgrad, compiled, group, bias=None):
         steps = _steps(compiled)
         casts = _cached(weight) or _keep(weight, steps.cast_weight(weight))
         amax = all_reduce(torch.linalg.vector_norm(shard, float("inf")).float(), group,
@@ -282,10 +286,11 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
         full8 = _gather_float8(shard8, group)
         flat8 = full8.reshape(-1, full8.shape[-1])
         output = torch._scaled_mm(flat8, casts.weight8.t(), input_inverse, casts.inverse,
-                                  out_dtype=shard.dtype, use_fast_accum=True)
+                                  bias=bias, out_dtype=shard.dtype, use_fast_accum=True)
         ctx.save_for_backward(shard8, input_inverse, weight, casts.weight8_t, casts.inverse)
         ctx.grad_dtype, ctx.fuse_wgrad, ctx.compiled, ctx.group = (grad_dtype, fuse_wgrad,
                                                                    compiled, group)
+        ctx.bias_grad = bias is not None and bias.requires_grad
         return output.reshape(*full8.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -312,9 +317,10 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
             input8_t = _transposed_bits(full8.reshape(-1, full8.shape[-1]), rows)
             grad_weight = _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t,
                                            input_inverse, ctx.fuse_wgrad)
+        grad_bias = flat_grad.sum(dim=0) if ctx.bias_grad else None
         if reduction is not None:
             reduction.wait()
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, grad_bias
 
 
 def _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t, input_inverse, fuse_wgrad):
