@@ -12,7 +12,7 @@ with dots, those keys are the module names below.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from megatron.core.dist_checkpointing.upstream_names import LAYER_PREFIX
 
@@ -62,20 +62,29 @@ def flatten(state: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _rename_in_layer(name: str, prefix: str, new_prefix: str,
+                     modules: Iterable[tuple[str, str]]) -> Optional[str]:
+    """``<prefix><index>.<module>...`` -> ``<new_prefix><index>.<new module>...``, or None."""
+    match = _LAYER.match(name[len(prefix):]) if name.startswith(prefix) else None
+    if match is None:
+        return None
+    index, rest = match.groups()
+    for module, new_module in modules:
+        if rest.startswith(module):
+            return f"{new_prefix}{index}.{new_module}{rest[len(module):]}"
+    return None
+
+
 def to_canonical(name: str) -> str:
     """``language_model.encoder.layers.3.mlp.dense_h_to_4h.weight`` ->
     ``decoder.layers.3.mlp.linear_fc1.weight`` (layer indices kept as they are)."""
     if name in _OUTSIDE_LAYERS:
         return _OUTSIDE_LAYERS[name]
-    if name.startswith(_LEGACY_LAYERS):
-        match = _LAYER.match(name[len(_LEGACY_LAYERS):])
-        if match is not None:
-            index, rest = match.groups()
-            for legacy, canonical in _IN_LAYER.items():
-                if rest.startswith(legacy):
-                    return f"{LAYER_PREFIX}{index}.{canonical}{rest[len(legacy):]}"
-    raise UnknownLegacyName(
-        f"{name}: a legacy GPT tensor with no counterpart in the megatron-core GPT")
+    renamed = _rename_in_layer(name, _LEGACY_LAYERS, LAYER_PREFIX, _IN_LAYER.items())
+    if renamed is None:
+        raise UnknownLegacyName(
+            f"{name}: a legacy GPT tensor with no counterpart in the megatron-core GPT")
+    return renamed
 
 
 def to_legacy(name: str, tied_output: bool = False) -> Optional[str]:
@@ -87,11 +96,5 @@ def to_legacy(name: str, tied_output: bool = False) -> Optional[str]:
     for legacy, canonical in _OUTSIDE_LAYERS.items():
         if canonical == name and legacy != "word_embeddings_for_head.weight":
             return legacy
-    if name.startswith(LAYER_PREFIX):
-        match = _LAYER.match(name[len(LAYER_PREFIX):])
-        if match is not None:
-            index, rest = match.groups()
-            for legacy, canonical in _IN_LAYER.items():
-                if rest.startswith(canonical):
-                    return f"{_LEGACY_LAYERS}{index}.{legacy}{rest[len(canonical):]}"
-    return None
+    return _rename_in_layer(name, LAYER_PREFIX, _LEGACY_LAYERS,
+                            [(canonical, legacy) for legacy, canonical in _IN_LAYER.items()])
