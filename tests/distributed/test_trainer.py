@@ -188,8 +188,8 @@ def test_checkpoint_from_pp2_vpp2_loads_at_pp1_and_pp4(data, tmp_path):
 
 
 @pytest.mark.parametrize("nproc,extra,message", [
-    (2, ["--num-experts", "8", "--use-legacy-models"],
-     "--use-legacy-models: not available in this tree"),
+    (2, ["--num-experts", "8", "--use-torch-fsdp2"],
+     "--use-torch-fsdp2: not available in this tree"),
     (2, ["--tensor-model-parallel-size", "4"], "is not divisible by --tensor-model-parallel-size 4"),
 ])
 def test_bad_input_fails_in_seconds_with_the_flag_named(nproc, extra, message, data):
