@@ -287,13 +287,14 @@ def write_profile(args, torch, run) -> None:
         reach = max(reach, end)
     # Host time spent waiting for the GPU: what is left of the wall is the host's own work
     # (profiled, so inflated); where it nears the wall, the step is host-bound.
-    waited = sum(e.self_cpu_time_total for e in prof.key_averages()
+    averages = prof.key_averages()
+    waited = sum(e.self_cpu_time_total for e in averages
                  if e.key in ("cudaDeviceSynchronize", "cudaStreamSynchronize",
                               "cudaEventSynchronize", "cudaMemcpy"))
     tables = [f"wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, {len(kernels)} kernels, "
               f"host waiting on the GPU {waited / 1e3:.1f} ms",
-              prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40),
-              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)]
+              averages.table(sort_by="self_cuda_time_total", row_limit=40),
+              averages.table(sort_by="self_cpu_time_total", row_limit=30)]
     (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
 
 

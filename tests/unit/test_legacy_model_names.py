@@ -71,6 +71,12 @@ def test_a_nested_legacy_checkpoint_reads_under_megatron_core_names(tmp_path):
     read = source.read(list(state))
     assert all(torch.equal(read[name], tensor) for name, tensor in state.items())
 
+    # Already flat under legacy names (as a state_dict() of the legacy GPT is): read the same.
+    torch.save({"model": names.flatten(legacy), "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": 5, "args": args}, rank_dir / MODEL_FILE)
+    read = open_checkpoint(str(tmp_path / "iter_0000005")).read(list(state))
+    assert all(torch.equal(read[name], tensor) for name, tensor in state.items())
+
     legacy["language_model"]["embedding"]["tokentype_embeddings"] = {"weight": torch.zeros(2, 32)}
     torch.save({"model": legacy, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 5,
                 "args": args}, rank_dir / MODEL_FILE)

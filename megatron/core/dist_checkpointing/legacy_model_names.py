@@ -45,9 +45,10 @@ class UnknownLegacyName(KeyError):
 
 
 def is_legacy_model_state(state: dict) -> bool:
-    """Whether a checkpoint's ``model`` entry is the legacy GPT's (nested under
-    ``language_model``)."""
-    return isinstance(state.get(LEGACY_ROOT), dict)
+    """Whether a checkpoint's ``model`` entry is the legacy GPT's: nested under
+    ``language_model`` (as upstream saves it), or already flat under legacy names."""
+    return isinstance(state.get(LEGACY_ROOT), dict) or any(
+        key.startswith(LEGACY_ROOT + ".") for key in state)
 
 
 def flatten(state: dict, prefix: str = "") -> dict[str, Any]:

@@ -91,8 +91,8 @@ def signature_compiled(fn: Callable, max_signatures: int = _MAX_SIGNATURES) -> C
     """``fn`` compiled per argument signature (see the module's docstring); past
     ``max_signatures`` of them, one torch.compile'd graph serves the rest, as it serves calls
     that autograd must record (gradients on, a tensor requiring one). ``fn`` takes tensors and
-    hashable constants and returns tensors (or None). Without ``torch._inductor.standalone_compile`` (torch before 2.8),
-    torch.compile."""
+    hashable constants and returns tensors (or None). Without
+    ``torch._inductor.standalone_compile`` (torch before 2.8), torch.compile."""
     try:
         from torch._inductor import standalone_compile  # noqa: F401
     except ImportError:

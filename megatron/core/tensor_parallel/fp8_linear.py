@@ -137,30 +137,31 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     tensorwise = recipe.scaling == "tensorwise" and fp8_tensorwise.supports(*weight.shape[::-1])
     fuse_wgrad = gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
     grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
-    # The float8 GEMM adds a half-precision bias of the output's dtype in its epilogue.
-    epilogue_bias = bias if bias is not None and bias.dtype == input_.dtype in (
+    # The tensorwise float8 GEMM adds a half-precision bias of the output's dtype in its
+    # epilogue; otherwise the bias is added after the matmul.
+    epilogue_bias = bias if tensorwise and bias is not None and bias.dtype == input_.dtype in (
         torch.bfloat16, torch.float16) else None
     if sequence_parallel and tensorwise and recipe.wgrad:  # gathered in float8
         output = fp8_tensorwise.Fp8SequenceParallelMatmul.apply(
             input_, weight, grad_dtype, fuse_wgrad, not emulate, resolve_tp_group(group),
             epilogue_bias)
-        return output if bias is None or epilogue_bias is not None else output + bias
-    if sequence_parallel:  # its backward reduce-scatters the input gradient
-        input_ = gather_from_sequence_parallel_region(input_, group=group)
-    reduce_dgrad = allreduce_dgrad and not sequence_parallel
-    if tensorwise:  # the input gradient's all-reduce overlaps the weight gradient
-        output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
-            input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate,
-            resolve_tp_group(group) if reduce_dgrad else None, epilogue_bias)
-        return output if bias is None or epilogue_bias is not None else output + bias
-    if reduce_dgrad:
-        input_ = copy_to_tensor_model_parallel_region(input_, group=group)
-    # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's is the
-    # token count, which variable sequence lengths may leave uneven: padded then.
-    tokens = input_.numel() // max(input_.shape[-1], 1)
-    output = _fp8_matmul(recipe, emulate, tokens % 16 != 0, compiled=not emulate)(
-        input_, weight)
-    return output if bias is None else output + bias
+    else:
+        if sequence_parallel:  # its backward reduce-scatters the input gradient
+            input_ = gather_from_sequence_parallel_region(input_, group=group)
+        reduce_dgrad = allreduce_dgrad and not sequence_parallel
+        if tensorwise:  # the input gradient's all-reduce overlaps the weight gradient
+            output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
+                input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate,
+                resolve_tp_group(group) if reduce_dgrad else None, epilogue_bias)
+        else:
+            if reduce_dgrad:
+                input_ = copy_to_tensor_model_parallel_region(input_, group=group)
+            # The float8 GEMM takes inner dimensions in multiples of 16; the weight gradient's
+            # is the token count, which variable sequence lengths may leave uneven: padded then.
+            tokens = input_.numel() // max(input_.shape[-1], 1)
+            output = _fp8_matmul(recipe, emulate, tokens % 16 != 0, compiled=not emulate)(
+                input_, weight)
+    return output if bias is None or epilogue_bias is not None else output + bias
 
 
 @functools.lru_cache(maxsize=None)
