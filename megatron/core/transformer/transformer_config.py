@@ -74,10 +74,8 @@ UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
     "moe_token_drop_policy": _NO_MOE,
     "moe_layer_recompute": _NO_MOE,
     "moe_permute_fusion": _NO_MOE,
-    "enable_cuda_graph": _NO_GRAPHS,
     "cuda_graph_use_single_mempool": _NO_GRAPHS,
     "cuda_graph_retain_backward_graph": _NO_GRAPHS,
-    "cuda_graph_warmup_steps": _NO_GRAPHS,
     "external_cuda_graph": _NO_GRAPHS,
     "config_logger_dir": "dumping configs and tensors to disk is not implemented",
     "flash_decode": "the flash-decoding inference kernel is not used",
@@ -334,11 +332,16 @@ class TransformerConfig(ModelParallelConfig):
     # --- Context parallelism (unsupported) ---
     cp_comm_type: Optional[Union[str, List[str]]] = None
 
-    # --- CUDA graphs (unsupported) ---
+    # --- CUDA graphs (transformer/cuda_graphs.py) ---
     enable_cuda_graph: bool = False
+    """Capture each transformer layer's training forward and backward as CUDA graphs and
+    replay them (one runner per input shape and microbatch in flight)."""
+
     cuda_graph_use_single_mempool: bool = False
     cuda_graph_retain_backward_graph: bool = False
     cuda_graph_warmup_steps: int = 3
+    """With enable_cuda_graph: eager calls of each layer and input shape before its capture."""
+
     external_cuda_graph: bool = False
 
     # --- Miscellaneous ---
@@ -363,6 +366,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_and_fill_shapes()
         self._check_choices()
         self._check_recompute()
+        self._check_cuda_graph()
         check_layer_split(self)
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
@@ -486,6 +490,27 @@ class TransformerConfig(ModelParallelConfig):
             return True
         return (self.num_layers_at_start_in_bf16 < layer_number
                 <= self.num_layers - self.num_layers_at_end_in_bf16)
+
+    def _check_cuda_graph(self) -> None:
+        if not self.enable_cuda_graph:
+            return
+        steps = self.cuda_graph_warmup_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"cuda_graph_warmup_steps must be an integer >= 1 (lazy "
+                             f"initialisation happens before a capture), got {steps!r}")
+        # Each of these does work a replay would skip or repeat wrongly.
+        if self.recompute_granularity is not None:
+            raise ValueError("enable_cuda_graph cannot be combined with activation recomputation "
+                             f"(recompute_granularity={self.recompute_granularity!r})")
+        if self.attention_dropout > 0 and not self.sequence_parallel:
+            raise ValueError(
+                f"enable_cuda_graph with attention_dropout={self.attention_dropout}: the layer "
+                f"switches to the tensor-parallel RNG stream inside its forward, which a graph "
+                f"cannot capture; set attention_dropout to 0 (or use sequence parallelism, "
+                f"where the switch happens outside the layers)")
+        if self.context_parallel_size > 1:
+            raise ValueError("enable_cuda_graph with context_parallel_size > 1 is not supported "
+                             "here: the ring exchange is not verified under capture")
 
     def _check_recompute(self) -> None:
         granularity, method, count = (

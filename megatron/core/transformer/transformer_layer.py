@@ -18,6 +18,7 @@ from megatron.core.transformer.attention import (
     SelfAttention,
     SelfAttentionSubmodules,
 )
+from megatron.core.transformer.cuda_graphs import CudaGraphManager
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.layer_assignment import get_transformer_layer_offset
 from megatron.core.transformer.layer_modules import LayerModules
@@ -113,6 +114,13 @@ class TransformerLayer(MegatronModule):
                               **(in_linear if _is_subclass(mlp.module, MLP) else {}),
                               **mlp.params)
         self.mlp_bda = submodules.mlp_bda
+        # A plain attribute, not a submodule: it holds graphs, not state.
+        self.cudagraph_manager = CudaGraphManager(config) if config.enable_cuda_graph else None
+
+    def __call__(self, *args, **kwargs):
+        if self.cudagraph_manager is not None:
+            return self.cudagraph_manager(self, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _norm(self, build: Optional[Callable]) -> Optional[torch.nn.Module]:
         config = self.config

@@ -131,6 +131,34 @@ def check_model_flags(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--rope-scaling-factor must be positive, got "
                             f"{args.rope_scaling_factor}")
     _check_context_parallel(args)
+    _check_cuda_graph(args)
+
+
+def _check_cuda_graph(args: argparse.Namespace) -> None:
+    if not args.enable_cuda_graph:
+        return
+    if args.cuda_graph_warmup_steps < 1:
+        raise ArgumentError(f"--cuda-graph-warmup-steps must be at least 1 (lazy initialisation "
+                            f"happens before a capture), got {args.cuda_graph_warmup_steps}")
+    refused = [
+        (args.recompute_granularity is not None or args.recompute_activations,
+         "--recompute-granularity/--recompute-activations (a graph would replay the "
+         "recomputation's RNG and saved-tensor bookkeeping, not redo it)"),
+        (args.attention_dropout > 0 and not args.sequence_parallel,
+         f"--attention-dropout {args.attention_dropout} without --sequence-parallel (the layer "
+         f"switches RNG streams inside its forward, which a graph cannot capture; use "
+         f"--attention-dropout 0)"),
+        (args.context_parallel_size > 1,
+         "--context-parallel-size > 1 (the ring exchange is not verified under capture)"),
+        (args.transformer_impl == "transformer_engine",
+         "--transformer-impl transformer_engine (Transformer Engine's layers need its own "
+         "graph-safe FP8 and RNG state; use --transformer-impl local)"),
+        (args.overlap_param_gather,
+         "--overlap-param-gather (its waits run in module hooks, which a replay skips)"),
+    ]
+    for given, what in refused:
+        if given:
+            raise ArgumentError(f"--enable-cuda-graph cannot be combined with {what}")
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:

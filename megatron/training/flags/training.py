@@ -31,6 +31,12 @@ class TrainingArgs:
     recompute_activations: bool = option(False, "the same as --recompute-granularity selective")
     recompute_granularity: Optional[str] = option(None, "activation recomputation",
                                                   choices=("full", "selective"))
+    enable_cuda_graph: bool = option(
+        False, "capture each transformer layer's forward and backward as CUDA graphs and "
+        "replay them (host work per layer: two graph launches)")
+    cuda_graph_warmup_steps: int = option(
+        2, "with --enable-cuda-graph: eager calls of each layer and input shape before its "
+        "capture")
     check_for_nan_in_loss_and_grad: bool = option(
         True, "check each rank's loss and local gradient norms for NaN before the "
         "data-parallel reduction: the run stops naming the rank, or re-runs the iteration "

@@ -145,10 +145,6 @@ class InferenceArgs:
     bert_embedder_type: str = unavailable("megatron", _INFERENCE,
                                           choices=("megatron", "huggingface"))
     flash_decode: bool = unavailable(False, _INFERENCE)
-    enable_cuda_graph: bool = unavailable(
-        False, "CUDA graphs are not implemented: replaying a whole GPT step from graphs saved "
-        "under 1 percent on an H200 (docs/performance.md)")
-    cuda_graph_warmup_steps: int = unavailable(2, "CUDA graphs are not implemented")
     inference_max_seq_length: int = unavailable(2560, _INFERENCE)
 
 

@@ -1,0 +1,297 @@
+"""CUDA graphs of transformer layers for training (``--enable-cuda-graph``).
+
+A layer's forward and backward are each captured once per input signature and replayed
+after that: per layer and microbatch the host launches two graphs instead of the layer's
+hundreds of kernels and their Python. An FP8 step at the 1.3B shape is host-bound without
+them (docs/performance.md); a bf16 step there keeps the GPU busy either way.
+
+What a graph's fixed memory asks of the caller, and how this module answers:
+
+* The first ``cuda_graph_warmup_steps`` calls of a signature run eagerly: they make what is
+  created lazily (NCCL communicators, compiled kernels, cuBLAS workspaces) before a capture.
+* A *runner* owns one forward graph, one backward graph and the static tensors they read and
+  write. Its outputs stay valid until its backward has run, so a runner is busy from its
+  forward to its backward, and each microbatch in flight (pipeline schedules) has its own.
+* Gradients reach parameters as in an eager backward: a weight whose GEMM accumulates into
+  ``param.main_grad`` (the data-parallel buffer, which does not move) does so inside the
+  graph, and autograd receives the placeholder flagged ``grad_added_to_main_grad`` that the
+  eager GEMM returns; every other parameter receives the graph's gradient tensor, which the
+  data-parallel hook adds to ``main_grad``. So eager and replayed microbatches mix in a step.
+* Evaluation, ``torch.no_grad`` and calls past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
+
+Without a CUDA device (CPU tests, gloo runs) the same protocol runs with the captured
+function re-run on each replay (``RerunGraphs``), so static buffers, gradient hand-off and
+runner reuse are exercised where CI can reach them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_RUNNERS_PER_LAYER = 16
+
+
+class CudaGraphs:
+    """Captures on the current CUDA device: one capture stream per manager, one memory pool
+    per runner (its forward's saved activations live there until the backward graph reads
+    them)."""
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream()
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, function: Callable[[], list], pool,
+                keep: Sequence[torch.Tensor] = ()) -> tuple[Callable[[], None], list]:
+        """``function``'s work recorded, not run (so ``keep`` is untouched anyway)."""
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread may query events while this thread captures.
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream,
+                              capture_error_mode="thread_local"):
+            outputs = function()
+        return graph.replay, outputs
+
+
+class RerunGraphs:
+    """The protocol without a device: a replay runs the captured function again and copies
+    its results into the tensors the capture returned. The capture runs it too, with what a
+    real capture would not change restored afterwards: ``keep`` (the gradient buffers) and
+    the CPU generator (a capture records dropout's draws, a replay makes them)."""
+
+    def new_pool(self):
+        return None
+
+    def capture(self, function: Callable[[], list], pool,
+                keep: Sequence[torch.Tensor] = ()) -> tuple[Callable[[], None], list]:
+        saved = [t.clone() for t in keep]
+        rng = torch.get_rng_state()
+        outputs = function()
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for tensor, value in zip(keep, saved):
+                tensor.copy_(value)
+
+        def replay() -> None:
+            with torch.enable_grad():  # an autograd.Function's forward runs without
+                fresh = function()
+            with torch.no_grad():
+                for static, value in zip(outputs, fresh):
+                    if static is not None:
+                        static.copy_(value)
+
+        return replay, outputs
+
+
+def default_graphs(device: torch.device):
+    return CudaGraphs() if device.type == "cuda" else RerunGraphs()
+
+
+def _signature(values: Sequence[Any]) -> Optional[tuple]:
+    """What a captured graph is specific to; None when a value cannot be part of one."""
+    parts = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            parts.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            parts.append(value)
+        else:
+            return None
+    return tuple(parts)
+
+
+@contextlib.contextmanager
+def _main_grad_flags_kept(params: Sequence[torch.nn.Parameter]):
+    """Run a captured backward without touching the data-parallel flags: weight-gradient GEMMs
+    accumulate (a graph cannot choose per step whether the buffer is still zero, and the
+    buffer is zeroed every step), and their ``grad_added_to_main_grad`` marks are undone."""
+    saved = [(getattr(p, "grad_added_to_main_grad", None), getattr(p, "main_grad_is_zero", None))
+             for p in params]
+    for p in params:
+        if hasattr(p, "main_grad_is_zero"):
+            p.main_grad_is_zero = False
+        if hasattr(p, "grad_added_to_main_grad"):
+            p.grad_added_to_main_grad = False
+    try:
+        yield
+    finally:
+        for p, (added, zero) in zip(params, saved):
+            if added is not None:
+                p.grad_added_to_main_grad = added
+            if zero is not None:
+                p.main_grad_is_zero = zero
+
+
+class _GraphRunner:
+    """One forward graph and one backward graph of a layer for one input signature."""
+
+    def __init__(self, graphs, forward: Callable, values: Sequence[Any],
+                 params: Sequence[torch.nn.Parameter]) -> None:
+        self.busy = False
+        self.params = list(params)
+        self.tensor_positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        self.static_inputs = [values[i].detach().clone().requires_grad_(values[i].requires_grad)
+                              for i in self.tensor_positions]
+        self._copied_from: list = [None] * len(self.static_inputs)
+        template = list(values)
+        for i, static in zip(self.tensor_positions, self.static_inputs):
+            template[i] = static
+        pool = graphs.new_pool()
+        self._live: list = []
+
+        def run_forward() -> list:
+            output = forward(*template)
+            self.structure = [isinstance(o, torch.Tensor) for o in output]
+            self._live = [o for o in output if isinstance(o, torch.Tensor)]
+            self.constants = [None if isinstance(o, torch.Tensor) else o for o in output]
+            return list(self._live)
+
+        self._replay_forward, self.static_outputs = graphs.capture(run_forward, pool)
+        self.static_grad_outputs = [torch.zeros_like(o) if o.requires_grad else None
+                                    for o in self.static_outputs]
+        wanted = [s for s in self.static_inputs if s.requires_grad] + self.params
+
+        def run_backward() -> list:
+            outputs = [o for o in self._live if o.requires_grad]
+            grad_outputs = [g for g in self.static_grad_outputs if g is not None]
+            with _main_grad_flags_kept(self.params):
+                grads = torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True)
+                self.fused = [bool(getattr(p, "grad_added_to_main_grad", False))
+                              for p in self.params]
+            count = len(wanted) - len(self.params)
+            # A fused weight's gradient is the eager GEMM's placeholder: not kept.
+            return list(grads[:count]) + [None if fused else grad for grad, fused
+                                          in zip(grads[count:], self.fused)]
+
+        self._replay_backward, self.static_grads = graphs.capture(
+            run_backward, pool, keep=[p.main_grad for p in self.params if hasattr(p, "main_grad")])
+
+    def forward(self, values: Sequence[Any]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for k, i in enumerate(self.tensor_positions):
+                value = values[i]
+                # The same unchanged tensor as last time (the rotary table) is not copied
+                # again; holding it keeps another tensor from taking its memory.
+                last = self._copied_from[k]
+                if last is None or last[0] is not value or last[1] != value._version:
+                    self.static_inputs[k].copy_(value)
+                    self._copied_from[k] = None if value.requires_grad else (value,
+                                                                             value._version)
+        self._replay_forward()
+        self.busy = True
+        return [o.detach() for o in self.static_outputs]
+
+    def backward(self, grad_outputs: Sequence[Optional[torch.Tensor]]) -> list:
+        with torch.no_grad():
+            for static, grad in zip(self.static_grad_outputs, grad_outputs):
+                if static is None:
+                    continue
+                if grad is None:
+                    static.zero_()
+                else:
+                    static.copy_(grad)
+        self._replay_backward()
+        self.busy = False
+        count = len(self.static_grads) - len(self.params)
+        inputs = iter(g.detach() if g is not None else None for g in self.static_grads[:count])
+        input_grads = [next(inputs) if s.requires_grad else None for s in self.static_inputs]
+        param_grads = []
+        for param, grad, fused in zip(self.params, self.static_grads[count:], self.fused):
+            if fused:
+                param.grad_added_to_main_grad = True
+                param.main_grad_is_zero = False
+                param_grads.append(torch.empty_like(param))  # what the DDP hook expects
+            else:
+                param_grads.append(None if grad is None else grad.detach())
+        return input_grads + param_grads
+
+    def outputs(self, tensors: Sequence[torch.Tensor]):
+        it = iter(tensors)
+        values = [next(it) if is_tensor else constant
+                  for is_tensor, constant in zip(self.structure, self.constants)]
+        return tuple(values)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner: _GraphRunner, values: list, *tensors):
+        ctx.runner = runner
+        outputs = runner.forward(values)
+        ctx.mark_non_differentiable(*[o for o, static in zip(outputs, runner.static_outputs)
+                                      if not static.requires_grad])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, None, *ctx.runner.backward(grad_outputs))
+
+
+class CudaGraphManager:
+    """Routes a layer's training calls to graph runners (upstream's name). Attach one per
+    layer; the layer's ``__call__`` passes ``(layer, args, kwargs)``."""
+
+    def __init__(self, config, graphs=None) -> None:
+        self.warmup = config.cuda_graph_warmup_steps
+        self.graphs = graphs
+        self.calls: dict[tuple, int] = {}
+        self.runners: dict[tuple, list[_GraphRunner]] = {}
+        self._warned = False
+
+    def __call__(self, layer: torch.nn.Module, args: tuple, kwargs: dict):
+        eager = torch.nn.Module.__call__
+        if not (layer.training and torch.is_grad_enabled()):
+            return eager(layer, *args, **kwargs)
+        names = sorted(kwargs)
+        values = list(args) + [kwargs[n] for n in names]
+        signature = _signature(values)
+        if signature is None:
+            return eager(layer, *args, **kwargs)
+        key = (len(args), tuple(names), signature)
+        calls = self.calls.get(key, 0)
+        if calls < self.warmup:
+            self.calls[key] = calls + 1
+            return eager(layer, *args, **kwargs)
+        runner = self._free_runner(layer, key, values)
+        if runner is None:
+            return eager(layer, *args, **kwargs)
+        tensors = [values[i] for i in runner.tensor_positions]
+        outputs = _Replay.apply(runner, values, *tensors, *runner.params)
+        return runner.outputs(outputs)
+
+    def _free_runner(self, layer, key, values) -> Optional[_GraphRunner]:
+        runners = self.runners.setdefault(key, [])
+        for runner in runners:
+            if not runner.busy:
+                return runner
+        if sum(len(r) for r in self.runners.values()) >= MAX_RUNNERS_PER_LAYER:
+            if not self._warned:
+                logger.warning("layer %s: %d CUDA graph runners in use, more calls run eagerly",
+                               getattr(layer, "layer_number", "?"), MAX_RUNNERS_PER_LAYER)
+                self._warned = True
+            return None
+        if self.graphs is None:
+            first = next(v for v in values if isinstance(v, torch.Tensor))
+            self.graphs = default_graphs(first.device)
+        count = len(key[1])
+        positional = len(values) - count
+
+        def forward(*flat):
+            return layer.forward(*flat[:positional], **dict(zip(key[1], flat[positional:])))
+
+        params = [p for p in layer.parameters() if p.requires_grad]
+        try:
+            runner = _GraphRunner(self.graphs, forward, values, params)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"--enable-cuda-graph: capturing transformer layer "
+                f"{getattr(layer, 'layer_number', '?')} failed ({error}); something in the layer "
+                f"is not capturable (a host synchronization, a generator swapped during the "
+                f"forward); run without --enable-cuda-graph") from error
+        runners.append(runner)
+        return runner

@@ -1,0 +1,142 @@
+"""``enable_cuda_graph``'s protocol on CPU (``RerunGraphs``: a replay re-runs the captured
+function), against the same model run eagerly: losses, gradients and ``main_grad`` bit for
+bit over microbatches of several lengths, with weight gradients fused into ``main_grad`` or
+left to a data-parallel-style hook; runners per microbatch in flight, warm-up calls, evaluation
+and the runner limit. The real graphs run in ``tests/gpu/test_nccl_cuda_graphs.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from megatron.core.transformer import cuda_graphs
+from tests.support.gpt_support import batch, build_gpt, small_config
+
+LENGTHS = [12, 10, 12, 10, 12, 8, 10, 12]
+
+
+def pair(**overrides):
+    torch.manual_seed(0)
+    plain = build_gpt(small_config(**overrides))
+    graphed = build_gpt(small_config(**overrides, enable_cuda_graph=True,
+                                     cuda_graph_warmup_steps=1))
+    graphed.load_state_dict(plain.state_dict())
+    return plain, graphed
+
+
+def managers(model):
+    return [layer.cudagraph_manager for layer in model.decoder.layers]
+
+
+def runner_count(model) -> int:
+    return sum(len(r) for m in managers(model) for r in m.runners.values())
+
+
+def loss_of(model, length: int, seed: int) -> torch.Tensor:
+    tokens, positions, labels = batch(seq=length, seed=seed)
+    return model(tokens, positions, None, labels=labels).mean()
+
+
+def test_replayed_microbatches_of_several_lengths_match_eager_ones():
+    plain, graphed = pair()
+    for seed, length in enumerate(LENGTHS):
+        for model in (plain, graphed):
+            loss = loss_of(model, length, seed)
+            loss.backward()
+            model.last = loss.detach()
+        assert torch.equal(graphed.last, plain.last), length
+    for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    # One runner per layer and length met twice (length 8 comes once: a warm-up call); a
+    # microbatch's backward frees its runner for the next.
+    assert runner_count(graphed) == 2 * len(graphed.decoder.layers)
+
+
+def _ddp_like(model):
+    """What DistributedDataParallel gives each parameter: a zeroed fp32 ``main_grad``, its
+    flags, and the hook adding ``.grad`` unless a fused GEMM already wrote it."""
+    def hook(param):
+        if param.grad is not None and not param.grad_added_to_main_grad:
+            param.main_grad.add_(param.grad)
+            param.main_grad_is_zero = False
+        param.grad = None
+
+    for param in model.parameters():
+        param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        param.grad_added_to_main_grad = False
+        param.main_grad_is_zero = True
+        param.register_post_accumulate_grad_hook(hook)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "fused-weight-gradients"])
+def test_main_grad_accumulates_as_eagerly_when_both_kinds_of_microbatch_mix(fused):
+    plain, graphed = pair(gradient_accumulation_fusion=fused)
+    for model in (plain, graphed):
+        _ddp_like(model)
+    for seed, length in enumerate(LENGTHS):
+        for model in (plain, graphed):
+            loss_of(model, length, seed).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
+        assert torch.equal(a.main_grad, b.main_grad), name
+    layer = graphed.decoder.layers[0]
+    runner = next(iter(layer.cudagraph_manager.runners.values()))[0]
+    fused_names = {n for (n, _), f in zip(layer.named_parameters(), runner.fused) if f}
+    assert fused_names == ({"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                            "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} if fused else set())
+
+
+def test_each_microbatch_in_flight_has_a_runner_and_a_finished_one_is_reused():
+    plain, graphed = pair()
+    loss_of(graphed, 12, 0).backward()  # the warm-up call
+    in_flight = [loss_of(graphed, 12, seed) for seed in (1, 2, 3)]
+    assert runner_count(graphed) == 3 * len(graphed.decoder.layers)
+    eager = [loss_of(plain, 12, seed) for seed in (1, 2, 3)]
+    for graphed_loss, eager_loss in zip(reversed(in_flight), reversed(eager)):
+        graphed_loss.backward()
+        eager_loss.backward()
+        assert torch.equal(graphed_loss, eager_loss)
+    loss_of(graphed, 12, 4).backward()
+    assert runner_count(graphed) == 3 * len(graphed.decoder.layers)
+
+
+def test_warm_up_calls_and_evaluation_run_eagerly():
+    torch.manual_seed(0)
+    model = build_gpt(small_config(enable_cuda_graph=True, cuda_graph_warmup_steps=2))
+    for seed in range(2):
+        loss_of(model, 12, seed).backward()
+    assert runner_count(model) == 0
+    with torch.no_grad():
+        loss_of(model, 12, 2)
+    model.eval()
+    loss_of(model, 12, 3)
+    assert runner_count(model) == 0
+    model.train()
+    loss_of(model, 12, 4).backward()
+    assert runner_count(model) == len(model.decoder.layers)
+
+
+def test_past_the_runner_limit_calls_run_eagerly_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cuda_graphs, "MAX_RUNNERS_PER_LAYER", 2)
+    plain, graphed = pair()
+    with caplog.at_level(logging.WARNING, logger=cuda_graphs.__name__):
+        for seed, length in enumerate([12, 12, 10, 10, 8, 8, 6]):
+            graphed_loss, eager_loss = loss_of(graphed, length, seed), loss_of(plain, length, seed)
+            graphed_loss.backward()
+            eager_loss.backward()
+            assert torch.equal(graphed_loss, eager_loss)
+    assert runner_count(graphed) == 2 * len(graphed.decoder.layers)
+    warnings = [r for r in caplog.records if "run eagerly" in r.getMessage()]
+    assert len(warnings) == len(graphed.decoder.layers)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(recompute_granularity="selective"), "activation recomputation"),
+    (dict(attention_dropout=0.1), "attention_dropout"),
+    (dict(cuda_graph_warmup_steps=0), "cuda_graph_warmup_steps"),
+    (dict(cuda_graph_use_single_mempool=True), "cuda_graph_use_single_mempool"),
+])
+def test_combinations_a_graph_cannot_replay_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(enable_cuda_graph=True, **overrides)
