@@ -101,7 +101,8 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None,
     if skip_mpu_initialization:
         return
     _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks)
-    _set_random_seed(args.seed, args.data_parallel_random_init)
+    _set_random_seed(args.seed, args.data_parallel_random_init,
+                     use_cudagraphable_rng=args.enable_cuda_graph)
 
 
 def _initialize_rerun_state_machine(args) -> None:
@@ -252,7 +253,8 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable],
 
 
 def _set_random_seed(seed_: int, data_parallel_random_init: bool = False,
-                     te_rng_tracker: bool = False, inference_rng_tracker: bool = False) -> None:
+                     te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                     use_cudagraphable_rng: bool = False) -> None:
     """Seed python, numpy, torch (all devices) and the model-parallel RNG tracker, distinct per
     pipeline stage.
 
@@ -262,6 +264,8 @@ def _set_random_seed(seed_: int, data_parallel_random_init: bool = False,
     come from the model's own stream of ``--seed`` instead (``TransformerConfig.init_seed``,
     see ``megatron.core.transformer.init_methods``): upstream's one-rank weights, whatever
     the layout, where upstream's would change with the pipeline rank.
+    ``use_cudagraphable_rng`` (``--enable-cuda-graph``): the tracker whose forks CUDA graphs
+    capture, with the same streams.
     """
     if te_rng_tracker or inference_rng_tracker:
         raise ValueError("Transformer Engine and inference RNG trackers are not supported yet")
@@ -276,4 +280,4 @@ def _set_random_seed(seed_: int, data_parallel_random_init: bool = False,
     # Dropout inside tensor-parallel regions draws from a per-TP-rank stream.
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=use_cudagraphable_rng)

@@ -1,7 +1,7 @@
 """``--enable-cuda-graph`` through pretrain_gpt.py on gloo: with the layers' graphs replayed
 by re-running them (no CUDA device), the trainer's losses equal the eager run's bit for bit at
 pp 2 x vpp 2 with variable lengths (a runner per shape and microbatch in flight), tp 2 with
-sequence parallelism and dropout, and dp 2 with overlapped gradient reduction and the
+dropout (with and without sequence parallelism), and dp 2 with overlapped gradient reduction and the
 distributed optimizer. The same cases over NCCL with real graphs:
 ``tests/gpu/test_nccl_cuda_graphs.py``."""
 
@@ -16,6 +16,8 @@ LAYOUTS = {
     "tp2-sequence-parallel-dropout": (2, ["--tensor-model-parallel-size", "2",
                                           "--sequence-parallel", "--hidden-dropout", "0.1",
                                           "--attention-dropout", "0.1"]),
+    "tp2-dropout": (2, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1",
+                        "--attention-dropout", "0.1"]),
     "dp2-overlapped-distributed-optimizer": (2, ["--use-distributed-optimizer",
                                                  "--overlap-grad-reduce"]),
 }

@@ -6,7 +6,8 @@ next is captured, later ones replay, so eager and replayed microbatches mix with
 Covered: one rank in fp32 and with FP8 (``--fp8-format hybrid``: the compiled casts and
 ``torch._scaled_mm`` under capture); pp 2 x vpp 2 with variable lengths (several runners per
 layer in flight, one per shape); tp 2 with sequence parallelism and dropout (collectives and
-the default generator's Philox offsets under capture); dp 2 with overlapped gradient
+the default generator's Philox offsets under capture), and without sequence parallelism
+(attention dropout forks the graph-safe tracker's stream inside the graph); dp 2 with overlapped gradient
 reduction and the distributed optimizer (the data-parallel hooks fired by replayed
 backwards). ``GPU_TESTS_BACKEND=gloo`` runs the same comparison on CPU, where the replay
 re-runs the captured function.
@@ -29,6 +30,7 @@ LAYOUTS = {
     "pp2-vpp2-variable-batched": (2, PP2_VPP2),
     "tp2-sequence-parallel-dropout": (2, ["--tensor-model-parallel-size", "2",
                                           "--sequence-parallel", *DROPOUT]),
+    "tp2-dropout": (2, ["--tensor-model-parallel-size", "2", *DROPOUT]),
     "dp2-overlapped-distributed-optimizer": (2, ["--use-distributed-optimizer",
                                                  "--overlap-grad-reduce"]),
 }

@@ -133,7 +133,6 @@ def test_past_the_runner_limit_calls_run_eagerly_with_one_warning(monkeypatch, c
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(recompute_granularity="selective"), "activation recomputation"),
-    (dict(attention_dropout=0.1), "attention_dropout"),
     (dict(cuda_graph_warmup_steps=0), "cuda_graph_warmup_steps"),
     (dict(cuda_graph_use_single_mempool=True), "cuda_graph_use_single_mempool"),
 ])

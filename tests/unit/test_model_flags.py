@@ -72,8 +72,7 @@ def test_flags_reach_the_transformer_config(flags, field, value):
 
 
 def test_cuda_graph_flags_reach_every_layer():
-    built = model("--enable-cuda-graph", "--cuda-graph-warmup-steps", "4",
-                  "--attention-dropout", "0")
+    built = model("--enable-cuda-graph", "--cuda-graph-warmup-steps", "4")
     managers = [layer.cudagraph_manager for layer in built.decoder.layers]
     assert len(managers) == 2 and all(m is not None and m.warmup == 4 for m in managers)
     assert model().decoder.layers[0].cudagraph_manager is None
@@ -91,14 +90,12 @@ def test_squared_relu_and_openai_gelu_keep_the_bias_activation_fusion():
      "--rotary-seq-len-interpolation-factor must be >= 1, got 0"),
     (("--use-rope-scaling", "--rope-scaling-factor", "-1"),
      "--rope-scaling-factor must be positive, got -1.0"),
-    (("--enable-cuda-graph", "--attention-dropout", "0", "--recompute-granularity", "selective"),
+    (("--enable-cuda-graph", "--recompute-granularity", "selective"),
      "--enable-cuda-graph cannot be combined with --recompute-granularity"),
-    (("--enable-cuda-graph", "--attention-dropout", "0.1"),
-     "--attention-dropout 0.1 without --sequence-parallel"),
     (("--enable-cuda-graph", "--cuda-graph-warmup-steps", "0"),
      "--cuda-graph-warmup-steps must be at least 1"),
-    (("--enable-cuda-graph", "--attention-dropout", "0", "--use-distributed-optimizer",
-      "--overlap-param-gather", "--overlap-grad-reduce"), "--enable-cuda-graph cannot be combined with --overlap-param"),
+    (("--enable-cuda-graph", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--overlap-grad-reduce"), "--enable-cuda-graph cannot be combined with --overlap-param"),
 ])
 def test_contradicting_model_flags_are_refused_naming_them(flags, message):
     with pytest.raises(ArgumentError, match=message):

@@ -83,6 +83,11 @@ class CudaRNGStatesTracker:
         """Whether a state has been added or set since the last reset."""
         return self._is_initialized
 
+    def generators(self) -> list[torch.Generator]:
+        """What a CUDA graph capturing a fork must register: nothing here, as a fork that
+        copies states in and out cannot be captured (see GraphSafeRNGStatesTracker)."""
+        return []
+
     def get_states(self) -> dict[str, torch.Tensor]:
         """A new dict of the current states (safe to keep: fork replaces, never mutates, them)."""
         return dict(self.states_)
@@ -122,6 +127,59 @@ class CudaRNGStatesTracker:
             _set_device_rng_state(outer)
 
 
+class GraphSafeRNGStatesTracker(CudaRNGStatesTracker):
+    """The named streams as CUDA generators that :meth:`fork` points the default generator at
+    (``graphsafe_set_state``) instead of copying their states in and out, which a CUDA graph
+    cannot capture. A captured fork then replays its draws from the tracked stream, given the
+    graph registers :meth:`generators`. Same seeds, so the same draws as the other tracker;
+    states save and load as the same tensors."""
+
+    def reset(self) -> None:
+        super().reset()
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generators(self) -> list[torch.Generator]:
+        return list(self._generators.values())
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: generator.get_state() for name, generator in self._generators.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        # Loaded into the existing generators: captured graphs hold them.
+        self._is_initialized = True
+        self._generators = {name: self._generators.get(name) or _cuda_generator()
+                            for name in states}
+        for name, state in states.items():
+            self._generators[name].set_state(state)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} is already used by another RNG tracker state")
+        if name in self._generators:
+            raise ValueError(f"RNG tracker state {name!r} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self._generators[name] = _cuda_generator().manual_seed(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self._generators:
+            raise RuntimeError(
+                f"RNG tracker state {name!r} has not been added (known: "
+                f"{sorted(self._generators)}); call model_parallel_cuda_manual_seed(seed) first")
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        outer = default.graphsafe_get_state()
+        default.graphsafe_set_state(self._generators[name])
+        try:
+            yield
+        finally:
+            default.graphsafe_set_state(outer)
+
+
+def _cuda_generator() -> torch.Generator:
+    return torch.Generator(device=torch.device("cuda", torch.cuda.current_device()))
+
+
 class _InferenceRNGStatesTracker(CudaRNGStatesTracker):
     """A tracker that records nothing and forks into the current generator (for inference)."""
 
@@ -139,17 +197,25 @@ _tracker: CudaRNGStatesTracker | None = None
 
 
 def initialize_rng_tracker(
-    use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False
+    use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False, force_reset: bool = False,
 ) -> None:
-    """Create the process-wide tracker once; later calls keep the existing one."""
+    """Create the process-wide tracker once (later upstream's arguments); later calls keep the
+    existing one unless ``force_reset``. ``use_cudagraphable_rng``: the generator-backed tracker
+    CUDA graphs can capture forks of (on CUDA; without a device nothing is captured)."""
     global _tracker
     if use_te_rng_tracker:
         raise ValueError(
             "use_te_rng_tracker=True is not supported by this tree: its RNG tracker is the "
             "local one (Transformer Engine modules accept it as their rng tracker); leave it False"
         )
-    if _tracker is None:
-        _tracker = _InferenceRNGStatesTracker() if inference_rng_tracker else CudaRNGStatesTracker()
+    if _tracker is None or force_reset:
+        if inference_rng_tracker:
+            _tracker = _InferenceRNGStatesTracker()
+        elif use_cudagraphable_rng and torch.cuda.is_available():
+            _tracker = GraphSafeRNGStatesTracker()
+        else:
+            _tracker = CudaRNGStatesTracker()
 
 
 def get_cuda_rng_tracker(
@@ -164,16 +230,25 @@ def model_parallel_cuda_manual_seed(
     seed: int,
     te_rng_tracker: bool = False,
     inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    force_reset_rng: bool = False,
     *,
     tp_group: Any = None,
 ) -> None:
     """Seed the default device generator with ``seed`` and (re)create the tracker's streams.
 
     Call after the tensor-parallel group exists (``tp_group`` or parallel_state) and use it
-    instead of ``torch.cuda.manual_seed``; calling it again resets every stream.
+    instead of ``torch.cuda.manual_seed``; calling it again resets every stream. A tracker of
+    another kind than asked for (``use_cudagraphable_rng``) is replaced, as with
+    ``force_reset_rng``.
     """
     tp_rank = group_rank(resolve_tp_group(tp_group))
-    tracker = get_cuda_rng_tracker(te_rng_tracker, inference_rng_tracker)
+    graph_safe = use_cudagraphable_rng and torch.cuda.is_available()
+    initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng,
+                           force_reset=force_reset_rng or (
+                               _tracker is not None and not inference_rng_tracker
+                               and isinstance(_tracker, GraphSafeRNGStatesTracker) != graph_safe))
+    tracker = _tracker
     tracker.reset()
     _seed_device_rng(seed)
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
 logger = logging.getLogger(__name__)
 
 MAX_RUNNERS_PER_LAYER = 16
@@ -52,6 +54,8 @@ class CudaGraphs:
                 keep: Sequence[torch.Tensor] = ()) -> tuple[Callable[[], None], list]:
         """``function``'s work recorded, not run (so ``keep`` is untouched anyway)."""
         graph = torch.cuda.CUDAGraph()
+        for generator in get_cuda_rng_tracker().generators():  # a fork's stream, replayed
+            graph.register_generator_state(generator)
         # thread_local: NCCL's watchdog thread may query events while this thread captures.
         with torch.cuda.graph(graph, pool=pool, stream=self.stream,
                               capture_error_mode="thread_local"):
@@ -62,8 +66,9 @@ class CudaGraphs:
 class RerunGraphs:
     """The protocol without a device: a replay runs the captured function again and copies
     its results into the tensors the capture returned. The capture runs it too, with what a
-    real capture would not change restored afterwards: ``keep`` (the gradient buffers) and
-    the CPU generator (a capture records dropout's draws, a replay makes them)."""
+    real capture would not change restored afterwards: ``keep`` (the gradient buffers), the
+    CPU generator and the tracker's streams (a capture records dropout's draws, a replay
+    makes them)."""
 
     def new_pool(self):
         return None
@@ -71,9 +76,10 @@ class RerunGraphs:
     def capture(self, function: Callable[[], list], pool,
                 keep: Sequence[torch.Tensor] = ()) -> tuple[Callable[[], None], list]:
         saved = [t.clone() for t in keep]
-        rng = torch.get_rng_state()
+        rng, streams = torch.get_rng_state(), get_cuda_rng_tracker().get_states()
         outputs = function()
         torch.set_rng_state(rng)
+        get_cuda_rng_tracker().set_states(streams)
         with torch.no_grad():
             for tensor, value in zip(keep, saved):
                 tensor.copy_(value)
@@ -291,7 +297,9 @@ class CudaGraphManager:
             raise RuntimeError(
                 f"--enable-cuda-graph: capturing transformer layer "
                 f"{getattr(layer, 'layer_number', '?')} failed ({error}); something in the layer "
-                f"is not capturable (a host synchronization, a generator swapped during the "
-                f"forward); run without --enable-cuda-graph") from error
+                f"is not capturable: a host synchronization, or dropout forking the "
+                f"tensor-parallel RNG stream without a graph-safe tracker "
+                f"(model_parallel_cuda_manual_seed(..., use_cudagraphable_rng=True), as "
+                f"pretrain_gpt.py seeds with --enable-cuda-graph)") from error
         runners.append(runner)
         return runner

@@ -502,12 +502,6 @@ class TransformerConfig(ModelParallelConfig):
         if self.recompute_granularity is not None:
             raise ValueError("enable_cuda_graph cannot be combined with activation recomputation "
                              f"(recompute_granularity={self.recompute_granularity!r})")
-        if self.attention_dropout > 0 and not self.sequence_parallel:
-            raise ValueError(
-                f"enable_cuda_graph with attention_dropout={self.attention_dropout}: the layer "
-                f"switches to the tensor-parallel RNG stream inside its forward, which a graph "
-                f"cannot capture; set attention_dropout to 0 (or use sequence parallelism, "
-                f"where the switch happens outside the layers)")
         if self.context_parallel_size > 1:
             raise ValueError("enable_cuda_graph with context_parallel_size > 1 is not supported "
                              "here: the ring exchange is not verified under capture")

@@ -144,10 +144,6 @@ def _check_cuda_graph(args: argparse.Namespace) -> None:
         (args.recompute_granularity is not None or args.recompute_activations,
          "--recompute-granularity/--recompute-activations (a graph would replay the "
          "recomputation's RNG and saved-tensor bookkeeping, not redo it)"),
-        (args.attention_dropout > 0 and not args.sequence_parallel,
-         f"--attention-dropout {args.attention_dropout} without --sequence-parallel (the layer "
-         f"switches RNG streams inside its forward, which a graph cannot capture; use "
-         f"--attention-dropout 0)"),
         (args.context_parallel_size > 1,
          "--context-parallel-size > 1 (the ring exchange is not verified under capture)"),
         (args.transformer_impl == "transformer_engine",
