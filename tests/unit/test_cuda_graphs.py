@@ -139,3 +139,27 @@ def test_past_the_runner_limit_calls_run_eagerly_with_one_warning(monkeypatch, c
 def test_combinations_a_graph_cannot_replay_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         small_config(enable_cuda_graph=True, **overrides)
+
+
+def test_graphed_fp8_layers_cast_their_weights_in_every_replay():
+    """A kept float8 cast lives in the memory of the call that made it: a graph must not bake
+    one in, so inside a runner nothing is kept or reused (and eager layers still keep theirs)."""
+    pytest.importorskip("torchao")
+    from megatron.core.tensor_parallel import fp8_tensorwise
+
+    overrides = dict(fp8="hybrid", bf16=True, params_dtype=torch.bfloat16,
+                     hidden_size=32, ffn_hidden_size=64)
+    plain, graphed = pair(**overrides)
+    graphed.bfloat16(), plain.bfloat16()
+    for seed in range(3):
+        for model in (plain, graphed):
+            with fp8_tensorwise.weights_unchanged():
+                loss = loss_of(model, 16, seed)
+                kept = set(fp8_tensorwise._CACHE)
+                loss.backward()
+            model.kept, model.last = kept, loss.detach()
+        assert torch.equal(graphed.last, plain.last)
+    layer_weights = {id(p) for p in graphed.decoder.layers.parameters()}
+    assert runner_count(graphed) == len(graphed.decoder.layers)
+    assert not graphed.kept & layer_weights
+    assert {id(p) for p in plain.decoder.layers.parameters()} & plain.kept

@@ -13,7 +13,8 @@ numerics as torchao's tensorwise recipe):
   operand), and backward keeps the float8 transposed input (half the bytes of the bf16 one);
 * within ``weights_unchanged()`` (each call of a forward-backward schedule: the weights cannot
   change between its microbatches) a weight's casts are made once and serve every microbatch,
-  holding 2 bytes per weight element until the call ends;
+  holding 2 bytes per weight element until the call ends (not in a CUDA-graphed layer, which
+  casts in every replay: ``weights_cast_each_call()``);
 * with ``fuse_wgrad`` (the weight has ``main_grad``: the data-parallel buffers), the weight
   gradient's GEMM writes fp32 straight into ``main_grad`` while it is still zero this step
   (``weight_grad.claim_zero_main_grad``), and is added into it afterwards; autograd gets an unread
@@ -153,6 +154,19 @@ def weights_unchanged():
     outer = _CACHE
     if outer is None:
         _CACHE = {}
+    try:
+        yield
+    finally:
+        _CACHE = outer
+
+
+@contextlib.contextmanager
+def weights_cast_each_call():
+    """Within, no cast is kept or reused, even inside ``weights_unchanged()``: for work a CUDA
+    graph captures, whose replays must cast their own step's weights into their own memory
+    (a kept cast lives in the memory of the call that made it)."""
+    global _CACHE
+    outer, _CACHE = _CACHE, None
     try:
         yield
     finally:

@@ -18,6 +18,9 @@ What a graph's fixed memory asks of the caller, and how this module answers:
   eager GEMM returns; every other parameter receives the graph's gradient tensor, which the
   data-parallel hook adds to ``main_grad``. So eager and replayed microbatches mix in a step.
 * Evaluation, ``torch.no_grad`` and calls past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
+* Host-side state a replay cannot see is not used inside: FP8 weights are cast in every
+  replay instead of once per schedule call (``weights_cast_each_call``), and the
+  data-parallel flags are set by the runner (above).
 
 Without a CUDA device (CPU tests, gloo runs) the same protocol runs with the captured
 function re-run on each replay (``RerunGraphs``), so static buffers, gradient hand-off and
@@ -32,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron.core.tensor_parallel.fp8_tensorwise import weights_cast_each_call
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 logger = logging.getLogger(__name__)
@@ -152,7 +156,8 @@ class _GraphRunner:
         self._live: list = []
 
         def run_forward() -> list:
-            output = forward(*template)
+            with weights_cast_each_call():
+                output = forward(*template)
             self.structure = [isinstance(o, torch.Tensor) for o in output]
             self._live = [o for o in output if isinstance(o, torch.Tensor)]
             self.constants = [None if isinstance(o, torch.Tensor) else o for o in output]
