@@ -30,6 +30,7 @@ runner reuse are exercised where CI can reach them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable, Optional, Sequence
 
@@ -43,13 +44,19 @@ logger = logging.getLogger(__name__)
 MAX_RUNNERS_PER_LAYER = 16
 
 
+@functools.lru_cache(maxsize=None)
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    # One for every layer: cuBLAS keeps a workspace per stream.
+    return torch.cuda.Stream(device=device)
+
+
 class CudaGraphs:
-    """Captures on the current CUDA device: one capture stream per manager, one memory pool
-    per runner (its forward's saved activations live there until the backward graph reads
-    them)."""
+    """Captures on the current CUDA device, on one side stream shared by all layers, into one
+    memory pool per runner (its forward's saved activations live there until the backward
+    graph reads them)."""
 
     def __init__(self) -> None:
-        self.stream = torch.cuda.Stream()
+        self.stream = _capture_stream(torch.cuda.current_device())
 
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
