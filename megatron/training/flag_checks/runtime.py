@@ -155,6 +155,10 @@ def _check_cuda_graph(args: argparse.Namespace) -> None:
     for given, what in refused:
         if given:
             raise ArgumentError(f"--enable-cuda-graph cannot be combined with {what}")
+    if args.distributed_backend != "nccl" and args.rank == 0:
+        print("note: --enable-cuda-graph without CUDA: each layer's captured forward and "
+              "backward are re-run where a GPU would replay them (same results, no speed-up)",
+              flush=True)
 
 
 def _check_context_parallel(args: argparse.Namespace) -> None:
