@@ -1,7 +1,9 @@
 """CUDA graphs of the layers on one GPU (skipped without CUDA): the graph-safe RNG tracker draws
 what the copying one draws, a fork captured in a graph draws afresh on each replay in the eager
 order, and a GPT trained with ``enable_cuda_graph`` (dropout in attention and after each
-sublayer, several lengths, microbatches in flight) matches the eager model."""
+sublayer, several lengths, two microbatches in flight: the first replayed, the second eager)
+matches the eager model. On an H100 (2026-12-05) that last test's capture was invalidated
+while a microbatch was in flight; captures now wait for none to be."""
 
 import pytest
 import torch
@@ -88,5 +90,4 @@ def test_a_graphed_gpt_with_dropout_trains_as_the_eager_one():
                      for a, b in zip(plain.parameters(), graphed.parameters()))
     print(f"graphed GPT against eager: losses within {worst:.2e}, gradients within {grad_worst:.2e}")
     assert worst <= 1e-6 and grad_worst <= 1e-6
-    assert sum(len(r) for layer in graphed.decoder.layers
-               for r in layer.cudagraph_manager.runners.values()) > 0
+    assert all(layer.cudagraph_manager.runners for layer in graphed.decoder.layers)

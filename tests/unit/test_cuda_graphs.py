@@ -31,7 +31,7 @@ def managers(model):
 
 
 def runner_count(model) -> int:
-    return sum(len(r) for m in managers(model) for r in m.runners.values())
+    return sum(len(m.runners) for m in managers(model))
 
 
 def loss_of(model, length: int, seed: int) -> torch.Tensor:
@@ -81,24 +81,51 @@ def test_main_grad_accumulates_as_eagerly_when_both_kinds_of_microbatch_mix(fuse
     for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
         assert torch.equal(a.main_grad, b.main_grad), name
     layer = graphed.decoder.layers[0]
-    runner = next(iter(layer.cudagraph_manager.runners.values()))[0]
+    runner = next(iter(layer.cudagraph_manager.runners.values()))
     fused_names = {n for (n, _), f in zip(layer.named_parameters(), runner.fused) if f}
     assert fused_names == ({"self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
                             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} if fused else set())
 
 
-def test_each_microbatch_in_flight_has_a_runner_and_a_finished_one_is_reused():
+def test_captures_wait_for_nothing_in_flight_and_a_busy_runner_leaves_calls_eager():
     plain, graphed = pair()
     loss_of(graphed, 12, 0).backward()  # the warm-up call
-    in_flight = [loss_of(graphed, 12, seed) for seed in (1, 2, 3)]
-    assert runner_count(graphed) == 3 * len(graphed.decoder.layers)
+    loss_of(plain, 12, 0).backward()
+    in_flight = [loss_of(graphed, 12, seed) for seed in (1, 2, 3)]  # captured, then eager
+    assert runner_count(graphed) == len(graphed.decoder.layers)
+    assert all(m.eager_in_flight == 2 for m in managers(graphed))
     eager = [loss_of(plain, 12, seed) for seed in (1, 2, 3)]
     for graphed_loss, eager_loss in zip(reversed(in_flight), reversed(eager)):
         graphed_loss.backward()
         eager_loss.backward()
         assert torch.equal(graphed_loss, eager_loss)
-    loss_of(graphed, 12, 4).backward()
-    assert runner_count(graphed) == 3 * len(graphed.decoder.layers)
+    assert all(m.eager_in_flight == 0 for m in managers(graphed))
+    # A new shape while a microbatch is in flight: not captured then, at the next call it is.
+    first = loss_of(graphed, 10, 4)
+    loss_of(graphed, 10, 5).backward()
+    first.backward()
+    assert runner_count(graphed) == len(graphed.decoder.layers)
+    loss_of(graphed, 10, 6).backward()
+    assert runner_count(graphed) == 2 * len(graphed.decoder.layers)
+    for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
+        if name.startswith("decoder.layers"):
+            assert b.grad is not None, name
+
+
+def test_a_pipeline_stage_output_lands_through_custom_backward():
+    """A non-last stage's output is freed after its send and its backward run from it with
+    the next stage's gradient (``custom_backward``): the layer still sees it land."""
+    from megatron.core.pipeline_parallel.microbatch_step import custom_backward
+
+    _, graphed = pair()
+    layer = graphed.decoder.layers[0]
+    hidden = torch.randn(12, 2, 32, requires_grad=True)
+    output, _ = layer(hidden)
+    assert layer.cudagraph_manager.eager_in_flight == 1
+    grad = torch.randn_like(output)
+    output.data = torch.empty(1)  # as deallocate_output_tensor leaves it
+    custom_backward(output, grad)
+    assert layer.cudagraph_manager.eager_in_flight == 0
 
 
 def test_warm_up_calls_and_evaluation_run_eagerly():
@@ -117,7 +144,7 @@ def test_warm_up_calls_and_evaluation_run_eagerly():
     assert runner_count(model) == len(model.decoder.layers)
 
 
-def test_past_the_runner_limit_calls_run_eagerly_with_one_warning(monkeypatch, caplog):
+def test_past_the_shape_limit_calls_run_eagerly_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(cuda_graphs, "MAX_RUNNERS_PER_LAYER", 2)
     plain, graphed = pair()
     with caplog.at_level(logging.WARNING, logger=cuda_graphs.__name__):

@@ -349,6 +349,6 @@ def _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t, input_inverse, fus
     main_grad = weight.main_grad
     if claim_zero_main_grad(weight):  # the GEMM writes it
         gemm(main_grad.dtype, out=main_grad)
-    else:
-        main_grad.add_(gemm(weight.dtype))
+    else:  # in main_grad's precision, as the first microbatch's (not rounded to bf16 first)
+        main_grad.add_(gemm(main_grad.dtype))
     return added_to_main_grad(weight)

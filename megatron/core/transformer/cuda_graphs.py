@@ -11,13 +11,15 @@ What a graph's fixed memory asks of the caller, and how this module answers:
   created lazily (NCCL communicators, compiled kernels, cuBLAS workspaces) before a capture.
 * A *runner* owns one forward graph, one backward graph and the static tensors they read and
   write. Its outputs stay valid until its backward has run, so a runner is busy from its
-  forward to its backward, and each microbatch in flight (pipeline schedules) has its own.
+  forward to its backward; a call meanwhile (a pipeline's next microbatch in flight) runs
+  eagerly. Captures wait for a call with none of the layer's microbatches in flight
+  (``CudaGraphManager``).
 * Gradients reach parameters as in an eager backward: a weight whose GEMM accumulates into
   ``param.main_grad`` (the data-parallel buffer, which does not move) does so inside the
   graph, and autograd receives the placeholder flagged ``grad_added_to_main_grad`` that the
   eager GEMM returns; every other parameter receives the graph's gradient tensor, which the
   data-parallel hook adds to ``main_grad``. So eager and replayed microbatches mix in a step.
-* Evaluation, ``torch.no_grad`` and calls past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
+* Evaluation, ``torch.no_grad`` and input shapes past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
 * Host-side state a replay cannot see is not used inside: FP8 weights are cast in every
   replay instead of once per schedule call (``weights_cast_each_call``), and the
   data-parallel flags are set by the runner (above).
@@ -41,7 +43,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 logger = logging.getLogger(__name__)
 
-MAX_RUNNERS_PER_LAYER = 16
+MAX_RUNNERS_PER_LAYER = 16  # input shapes with graphs, per layer
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,47 +254,70 @@ class _Replay(torch.autograd.Function):
 
 class CudaGraphManager:
     """Routes a layer's training calls to graph runners (upstream's name). Attach one per
-    layer; the layer's ``__call__`` passes ``(layer, args, kwargs)``."""
+    layer; the layer's ``__call__`` passes ``(layer, args, kwargs)``.
+
+    A capture happens only while none of the layer's microbatches is in flight (its forward
+    run, its backward not yet): an autograd graph still alive holds the parameters' gradient
+    accumulators, made on the compute stream, and a capture on its side stream that reaches
+    them is invalidated (seen on an H100 with two microbatches in flight). So each input shape
+    has one runner, captured at a call with nothing in flight; a call while it is busy, as a
+    pipeline's second microbatch in flight, runs eagerly."""
 
     def __init__(self, config, graphs=None) -> None:
         self.warmup = config.cuda_graph_warmup_steps
         self.graphs = graphs
         self.calls: dict[tuple, int] = {}
-        self.runners: dict[tuple, list[_GraphRunner]] = {}
+        self.runners: dict[tuple, _GraphRunner] = {}
+        self.eager_in_flight = 0
         self._warned = False
 
     def __call__(self, layer: torch.nn.Module, args: tuple, kwargs: dict):
-        eager = torch.nn.Module.__call__
         if not (layer.training and torch.is_grad_enabled()):
-            return eager(layer, *args, **kwargs)
+            return torch.nn.Module.__call__(layer, *args, **kwargs)
         names = sorted(kwargs)
         values = list(args) + [kwargs[n] for n in names]
         signature = _signature(values)
         if signature is None:
-            return eager(layer, *args, **kwargs)
+            return self._eager(layer, args, kwargs)
         key = (len(args), tuple(names), signature)
         calls = self.calls.get(key, 0)
         if calls < self.warmup:
             self.calls[key] = calls + 1
-            return eager(layer, *args, **kwargs)
-        runner = self._free_runner(layer, key, values)
-        if runner is None:
-            return eager(layer, *args, **kwargs)
+            return self._eager(layer, args, kwargs)
+        runner = self.runners.get(key)
+        if runner is None and self._may_capture(layer):
+            runner = self.runners[key] = self._capture(layer, key, values)
+        if runner is None or runner.busy:
+            return self._eager(layer, args, kwargs)
         tensors = [values[i] for i in runner.tensor_positions]
         outputs = _Replay.apply(runner, values, *tensors, *runner.params)
         return runner.outputs(outputs)
 
-    def _free_runner(self, layer, key, values) -> Optional[_GraphRunner]:
-        runners = self.runners.setdefault(key, [])
-        for runner in runners:
-            if not runner.busy:
-                return runner
-        if sum(len(r) for r in self.runners.values()) >= MAX_RUNNERS_PER_LAYER:
+    def _eager(self, layer, args: tuple, kwargs: dict):
+        output = torch.nn.Module.__call__(layer, *args, **kwargs)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            # In flight until its gradient arrives (one that never does keeps captures off).
+            self.eager_in_flight += 1
+            hidden.register_hook(self._landed)
+        return output
+
+    def _landed(self, grad):
+        self.eager_in_flight -= 1
+
+    def _may_capture(self, layer) -> bool:
+        if self.eager_in_flight or any(runner.busy for runner in self.runners.values()):
+            return False
+        if len(self.runners) >= MAX_RUNNERS_PER_LAYER:
             if not self._warned:
-                logger.warning("layer %s: %d CUDA graph runners in use, more calls run eagerly",
-                               getattr(layer, "layer_number", "?"), MAX_RUNNERS_PER_LAYER)
+                logger.warning("layer %s: %d input shapes have CUDA graphs, calls with others "
+                               "run eagerly", getattr(layer, "layer_number", "?"),
+                               MAX_RUNNERS_PER_LAYER)
                 self._warned = True
-            return None
+            return False
+        return True
+
+    def _capture(self, layer, key, values) -> _GraphRunner:
         if self.graphs is None:
             first = next(v for v in values if isinstance(v, torch.Tensor))
             self.graphs = default_graphs(first.device)
@@ -304,7 +329,7 @@ class CudaGraphManager:
 
         params = [p for p in layer.parameters() if p.requires_grad]
         try:
-            runner = _GraphRunner(self.graphs, forward, values, params)
+            return _GraphRunner(self.graphs, forward, values, params)
         except RuntimeError as error:
             raise RuntimeError(
                 f"--enable-cuda-graph: capturing transformer layer "
@@ -313,5 +338,3 @@ class CudaGraphManager:
                 f"tensor-parallel RNG stream without a graph-safe tracker "
                 f"(model_parallel_cuda_manual_seed(..., use_cudagraphable_rng=True), as "
                 f"pretrain_gpt.py seeds with --enable-cuda-graph)") from error
-        runners.append(runner)
-        return runner
