@@ -97,14 +97,18 @@ class CudaRNGStatesTracker:
         self._is_initialized = True
         self.states_ = dict(states)
 
-    def add(self, name: str, seed: int) -> None:
-        """Create the state ``name`` from ``seed`` without disturbing the current generator."""
+    def _claim(self, name: str, seed: int, known) -> None:
+        """Refuse a seed or name in use (``known``: the names), else take the seed."""
         if seed in self.seeds_:
             raise ValueError(f"seed {seed} is already used by another RNG tracker state")
-        if name in self.states_:
+        if name in known:
             raise ValueError(f"RNG tracker state {name!r} already exists")
         self._is_initialized = True
         self.seeds_.add(seed)
+
+    def add(self, name: str, seed: int) -> None:
+        """Create the state ``name`` from ``seed`` without disturbing the current generator."""
+        self._claim(name, seed, self.states_)
         saved = _device_rng_state()
         _seed_device_rng(seed)
         self.states_[name] = _device_rng_state()
@@ -153,12 +157,7 @@ class GraphSafeRNGStatesTracker(CudaRNGStatesTracker):
             self._generators[name].set_state(state)
 
     def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds_:
-            raise ValueError(f"seed {seed} is already used by another RNG tracker state")
-        if name in self._generators:
-            raise ValueError(f"RNG tracker state {name!r} already exists")
-        self._is_initialized = True
-        self.seeds_.add(seed)
+        self._claim(name, seed, self._generators)
         self._generators[name] = _cuda_generator().manual_seed(seed)
 
     @contextlib.contextmanager
