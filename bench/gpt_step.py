@@ -455,7 +455,11 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
         "padded_tokens_per_step": args.microbatches * statistics.mean(
             batch["tokens"].numel() for batch in measured),
         "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0,
+        # CUDA graphs' pools hold their tensors outside the allocated count: reserved then.
+        "peak_memory_gib": (0.0 if not gpu else torch.cuda.max_memory_reserved() / 2**30
+                            if get_args().enable_cuda_graph
+                            else torch.cuda.max_memory_allocated() / 2**30),
+        "peak_memory_reserved": gpu and get_args().enable_cuda_graph,
         "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
         **({"cold_step_s": cold_s, "pad_multiple": multiple,
             "distinct_lengths": len({batch["tokens"].shape[1] for batch in pool})}
@@ -626,7 +630,9 @@ def main(argv=None) -> int:
               f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
               f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  "
               f"MFU {100 * result['mfu']:5.1f}%  "
-              f"{result['peak_memory_gib']:5.1f} GiB  {result['parameters'] / 1e9:.3f}B params  "
+              f"{result['peak_memory_gib']:5.1f} GiB"
+              f"{' reserved' if result.get('peak_memory_reserved') else ''}  "
+              f"{result['parameters'] / 1e9:.3f}B params  "
               f"loss {result['first_loss']:.3f}->{result['last_loss']:.3f}  "
               f"({result['device']}, torch {result['torch']})", flush=True)
 
