@@ -442,6 +442,10 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
     if args.profile:
         last = first + args.steps
         write_profile(args, torch, lambda: train(last, last + 2))
+    # CUDA graphs' pools hold their tensors outside the allocated count: reserved then.
+    graphs = gpu and get_args().enable_cuda_graph
+    peak = 0 if not gpu else (torch.cuda.max_memory_reserved() if graphs
+                              else torch.cuda.max_memory_allocated())
     logged = [line for line in log.splitlines() if "throughput per GPU" in line]
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in logged]
     return {
@@ -455,11 +459,8 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
         "padded_tokens_per_step": args.microbatches * statistics.mean(
             batch["tokens"].numel() for batch in measured),
         "logged_tflops": float(logged[-1].split("(TFLOP/s/GPU):")[1].split("|")[0]),
-        # CUDA graphs' pools hold their tensors outside the allocated count: reserved then.
-        "peak_memory_gib": (0.0 if not gpu else torch.cuda.max_memory_reserved() / 2**30
-                            if get_args().enable_cuda_graph
-                            else torch.cuda.max_memory_allocated() / 2**30),
-        "peak_memory_reserved": gpu and get_args().enable_cuda_graph,
+        "peak_memory_gib": peak / 2**30,
+        "peak_memory_reserved": graphs,
         "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
         **({"cold_step_s": cold_s, "pad_multiple": multiple,
             "distinct_lengths": len({batch["tokens"].shape[1] for batch in pool})}

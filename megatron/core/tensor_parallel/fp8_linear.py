@@ -139,8 +139,9 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
     # The tensorwise float8 GEMM adds a half-precision bias of the output's dtype in its
     # epilogue; otherwise the bias is added after the matmul.
-    epilogue_bias = bias if tensorwise and bias is not None and bias.dtype == input_.dtype in (
-        torch.bfloat16, torch.float16) else None
+    half = input_.dtype in (torch.bfloat16, torch.float16)
+    epilogue_bias = (bias if tensorwise and half and bias is not None
+                     and bias.dtype == input_.dtype else None)
     if sequence_parallel and tensorwise and recipe.wgrad:  # gathered in float8
         output = fp8_tensorwise.Fp8SequenceParallelMatmul.apply(
             input_, weight, grad_dtype, fuse_wgrad, not emulate, resolve_tp_group(group),

@@ -209,12 +209,15 @@ def initialize_rng_tracker(
             "local one (Transformer Engine modules accept it as their rng tracker); leave it False"
         )
     if _tracker is None or force_reset:
-        if inference_rng_tracker:
-            _tracker = _InferenceRNGStatesTracker()
-        elif use_cudagraphable_rng and torch.cuda.is_available():
-            _tracker = GraphSafeRNGStatesTracker()
-        else:
-            _tracker = CudaRNGStatesTracker()
+        _tracker = _tracker_class(inference_rng_tracker, use_cudagraphable_rng)()
+
+
+def _tracker_class(inference_rng_tracker: bool, use_cudagraphable_rng: bool) -> type:
+    if inference_rng_tracker:
+        return _InferenceRNGStatesTracker
+    if use_cudagraphable_rng and torch.cuda.is_available():
+        return GraphSafeRNGStatesTracker
+    return CudaRNGStatesTracker
 
 
 def get_cuda_rng_tracker(
@@ -242,11 +245,11 @@ def model_parallel_cuda_manual_seed(
     ``force_reset_rng``.
     """
     tp_rank = group_rank(resolve_tp_group(tp_group))
-    graph_safe = use_cudagraphable_rng and torch.cuda.is_available()
+    graph_safe = _tracker_class(inference_rng_tracker,
+                                use_cudagraphable_rng) is GraphSafeRNGStatesTracker
+    other_kind = graph_safe != isinstance(_tracker, GraphSafeRNGStatesTracker)
     initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng,
-                           force_reset=force_reset_rng or (
-                               _tracker is not None and not inference_rng_tracker
-                               and isinstance(_tracker, GraphSafeRNGStatesTracker) != graph_safe))
+                           force_reset=force_reset_rng or (_tracker is not None and other_kind))
     tracker = _tracker
     tracker.reset()
     _seed_device_rng(seed)

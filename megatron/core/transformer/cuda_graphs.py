@@ -157,7 +157,6 @@ class _GraphRunner:
         self.tensor_positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         self.static_inputs = [values[i].detach().clone().requires_grad_(values[i].requires_grad)
                               for i in self.tensor_positions]
-        self._copied_from: list = [None] * len(self.static_inputs)
         template = list(values)
         for i, static in zip(self.tensor_positions, self.static_inputs):
             template[i] = static
@@ -194,15 +193,8 @@ class _GraphRunner:
 
     def forward(self, values: Sequence[Any]) -> list[torch.Tensor]:
         with torch.no_grad():
-            for k, i in enumerate(self.tensor_positions):
-                value = values[i]
-                # The same unchanged tensor as last time (the rotary table) is not copied
-                # again; holding it keeps another tensor from taking its memory.
-                last = self._copied_from[k]
-                if last is None or last[0] is not value or last[1] != value._version:
-                    self.static_inputs[k].copy_(value)
-                    self._copied_from[k] = None if value.requires_grad else (value,
-                                                                             value._version)
+            for static, i in zip(self.static_inputs, self.tensor_positions):
+                static.copy_(values[i])
         self._replay_forward()
         self.busy = True
         return [o.detach() for o in self.static_outputs]
