@@ -35,6 +35,7 @@ from megatron.core.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION, RerunDataIterator, RerunMode, RerunState,
     get_rerun_state_machine,
 )
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import metrics_writers, progress_log, run_clock
@@ -182,6 +183,7 @@ def _leave_together() -> None:
     pending.wait_for_pending()  # an --async-save checkpoint still being written
     if not dist.is_initialized():
         return
+    delete_cuda_graphs()  # graphs holding NCCL collectives would stall their communicators' end
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

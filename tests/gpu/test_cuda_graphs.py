@@ -3,7 +3,9 @@ what the copying one draws, a fork captured in a graph draws afresh on each repl
 order, and a GPT trained with ``enable_cuda_graph`` (dropout in attention and after each
 sublayer, several lengths, two microbatches in flight: the first replayed, the second eager)
 matches the eager model. On an H100 (2026-12-05) that last test's capture was invalidated
-while a microbatch was in flight; captures now wait for none to be."""
+twice: with a microbatch in flight, and (captures then waiting for none) by the previous step's
+loss, kept by the loop: both kept the parameters' gradient accumulators alive on the compute
+stream. Captures now differentiate aliases of the parameters."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """``enable_cuda_graph``'s protocol on CPU (``RerunGraphs``: a replay re-runs the captured
 function), against the same model run eagerly: losses, gradients and ``main_grad`` bit for
 bit over microbatches of several lengths, with weight gradients fused into ``main_grad`` or
-left to a data-parallel-style hook; runners per microbatch in flight, warm-up calls, evaluation
-and the runner limit. The real graphs run in ``tests/gpu/test_nccl_cuda_graphs.py``."""
+left to a data-parallel-style hook; captures with microbatches in flight, warm-up calls,
+evaluation, deletion and the runner limit. The real graphs run in ``tests/gpu/test_nccl_cuda_graphs.py``."""
 
 from __future__ import annotations
 
@@ -87,45 +87,76 @@ def test_main_grad_accumulates_as_eagerly_when_both_kinds_of_microbatch_mix(fuse
                             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} if fused else set())
 
 
-def test_captures_wait_for_nothing_in_flight_and_a_busy_runner_leaves_calls_eager():
+def test_a_capture_with_microbatches_in_flight_and_a_busy_runner_leaves_calls_eager():
     plain, graphed = pair()
-    loss_of(graphed, 12, 0).backward()  # the warm-up call
+    kept = loss_of(graphed, 12, 0)  # the warm-up call, its graph kept alive by the caller
+    kept.backward()
     loss_of(plain, 12, 0).backward()
     in_flight = [loss_of(graphed, 12, seed) for seed in (1, 2, 3)]  # captured, then eager
     assert runner_count(graphed) == len(graphed.decoder.layers)
-    assert all(m.eager_in_flight == 2 for m in managers(graphed))
+    assert all(runner.busy for m in managers(graphed) for runner in m.runners.values())
     eager = [loss_of(plain, 12, seed) for seed in (1, 2, 3)]
     for graphed_loss, eager_loss in zip(reversed(in_flight), reversed(eager)):
         graphed_loss.backward()
         eager_loss.backward()
         assert torch.equal(graphed_loss, eager_loss)
-    assert all(m.eager_in_flight == 0 for m in managers(graphed))
-    # A new shape while a microbatch is in flight: not captured then, at the next call it is.
-    first = loss_of(graphed, 10, 4)
-    loss_of(graphed, 10, 5).backward()
-    first.backward()
-    assert runner_count(graphed) == len(graphed.decoder.layers)
-    loss_of(graphed, 10, 6).backward()
+    # A new shape captured while another microbatch of the layers is in flight.
+    first = loss_of(graphed, 10, 4)  # warm-up
+    second = loss_of(graphed, 10, 5)
     assert runner_count(graphed) == 2 * len(graphed.decoder.layers)
+    second.backward()
+    first.backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
         if name.startswith("decoder.layers"):
             assert b.grad is not None, name
 
 
-def test_a_pipeline_stage_output_lands_through_custom_backward():
+def test_captures_differentiate_aliases_and_leave_the_parameters_in_place():
+    """A capture runs the layer on new leaves sharing the parameters' storage and attributes
+    (the parameters' own gradient accumulators may belong to live graphs on another stream)."""
+    _, graphed = pair()
+    layer = graphed.decoder.layers[0]
+    before = dict(layer.named_parameters())
+    for seed in range(2):
+        loss_of(graphed, 12, seed).backward()
+    assert dict(layer.named_parameters()) == before
+    weight = layer.mlp.linear_fc1.weight
+    weight.marker = "kept"
+    alias = cuda_graphs._alias(weight)
+    assert alias is not weight and alias.data_ptr() == weight.data_ptr()
+    assert alias.marker == "kept" and alias.requires_grad
+    with cuda_graphs._parameters_replaced(layer, {id(weight): alias}):
+        assert layer.mlp.linear_fc1.weight is alias
+    assert layer.mlp.linear_fc1.weight is weight
+
+
+def test_a_replayed_stage_output_lands_through_custom_backward():
     """A non-last stage's output is freed after its send and its backward run from it with
-    the next stage's gradient (``custom_backward``): the layer still sees it land."""
+    the next stage's gradient (``custom_backward``): the runner is free again after."""
     from megatron.core.pipeline_parallel.microbatch_step import custom_backward
 
     _, graphed = pair()
     layer = graphed.decoder.layers[0]
-    hidden = torch.randn(12, 2, 32, requires_grad=True)
-    output, _ = layer(hidden)
-    assert layer.cudagraph_manager.eager_in_flight == 1
-    grad = torch.randn_like(output)
-    output.data = torch.empty(1)  # as deallocate_output_tensor leaves it
-    custom_backward(output, grad)
-    assert layer.cudagraph_manager.eager_in_flight == 0
+    for _ in range(2):  # warm-up, then captured and replayed
+        hidden = torch.randn(12, 2, 32, requires_grad=True)
+        output, _ = layer(hidden)
+        grad = torch.randn_like(output)
+        output.data = torch.empty(1)  # as deallocate_output_tensor leaves it
+        custom_backward(output, grad)
+        assert hidden.grad is not None
+    runner = next(iter(layer.cudagraph_manager.runners.values()))
+    assert not runner.busy
+
+
+def test_deleted_graphs_are_captured_again():
+    _, graphed = pair()
+    for seed in range(2):
+        loss_of(graphed, 12, seed).backward()
+    assert runner_count(graphed) == len(graphed.decoder.layers)
+    cuda_graphs.delete_cuda_graphs()
+    assert runner_count(graphed) == 0
+    loss_of(graphed, 12, 2).backward()
+    assert runner_count(graphed) == len(graphed.decoder.layers)
 
 
 def test_warm_up_calls_and_evaluation_run_eagerly():
@@ -190,3 +221,16 @@ def test_graphed_fp8_layers_cast_their_weights_in_every_replay():
     assert runner_count(graphed) == len(graphed.decoder.layers)
     assert not graphed.kept & layer_weights
     assert {id(p) for p in plain.decoder.layers.parameters()} & plain.kept
+
+
+def test_a_replayed_backward_first_in_a_step_leaves_no_static_buffer_as_a_gradient():
+    """With ``.grad`` unset, autograd keeps the gradient it receives; from a replay that is a
+    static buffer, which the runner's next backward overwrites (seen on an H100)."""
+    plain, graphed = pair()
+    for model in (plain, graphed):
+        for step in range(3):
+            first, second = loss_of(model, 12, 2 * step), loss_of(model, 12, 2 * step + 1)
+            second.backward()  # replayed in the graphed model from step 0 on
+            first.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name

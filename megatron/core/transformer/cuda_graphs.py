@@ -12,14 +12,21 @@ What a graph's fixed memory asks of the caller, and how this module answers:
 * A *runner* owns one forward graph, one backward graph and the static tensors they read and
   write. Its outputs stay valid until its backward has run, so a runner is busy from its
   forward to its backward; a call meanwhile (a pipeline's next microbatch in flight) runs
-  eagerly. Captures wait for a call with none of the layer's microbatches in flight
-  (``CudaGraphManager``).
+  eagerly.
+* A capture computes the parameters' gradients through aliases of them made for it (same
+  storage, same attributes): the parameters' own gradient accumulators were made on the
+  compute stream and live as long as any autograd graph that reaches them (a microbatch in
+  flight, a loss kept by the caller), and a capture on its side stream that touched one was
+  invalidated (seen on an H100). So a layer captures whatever else is in flight.
 * Gradients reach parameters as in an eager backward: a weight whose GEMM accumulates into
   ``param.main_grad`` (the data-parallel buffer, which does not move) does so inside the
   graph, and autograd receives the placeholder flagged ``grad_added_to_main_grad`` that the
   eager GEMM returns; every other parameter receives the graph's gradient tensor, which the
   data-parallel hook adds to ``main_grad``. So eager and replayed microbatches mix in a step.
 * Evaluation, ``torch.no_grad`` and input shapes past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
+* ``delete_cuda_graphs()`` frees every layer's graphs; a run calls it before destroying its
+  process groups, which wait forever on an NCCL communicator that live graphs still use
+  (seen with tensor parallelism over NCCL).
 * Host-side state a replay cannot see is not used inside: FP8 weights are cast in every
   replay instead of once per schedule call (``weights_cast_each_call``), and the
   data-parallel flags are set by the runner (above).
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -59,6 +67,7 @@ class CudaGraphs:
 
     def __init__(self) -> None:
         self.stream = _capture_stream(torch.cuda.current_device())
+        self.captured: list[torch.cuda.CUDAGraph] = []
 
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
@@ -73,7 +82,13 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=pool, stream=self.stream,
                               capture_error_mode="thread_local"):
             outputs = function()
+        self.captured.append(graph)
         return graph.replay, outputs
+
+    def release(self) -> None:
+        for graph in self.captured:
+            graph.reset()
+        self.captured.clear()
 
 
 class RerunGraphs:
@@ -106,6 +121,9 @@ class RerunGraphs:
                         static.copy_(value)
 
         return replay, outputs
+
+    def release(self) -> None:
+        pass
 
 
 def default_graphs(device: torch.device):
@@ -147,11 +165,36 @@ def _main_grad_flags_kept(params: Sequence[torch.nn.Parameter]):
                 p.main_grad_is_zero = zero
 
 
+def _alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A new leaf on ``param``'s storage with its public attributes (``main_grad`` and the
+    data-parallel flags): what a capture differentiates instead of ``param``."""
+    alias = torch.nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+    alias.__dict__.update({k: v for k, v in vars(param).items() if not k.startswith("_")})
+    return alias
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: torch.nn.Module, aliases: dict[int, torch.nn.Parameter]):
+    """Within, each of ``module``'s parameters that has an alias (keyed by its id) is it."""
+    replaced = [(owner, name, param) for owner in module.modules()
+                for name, param in owner._parameters.items()
+                if param is not None and id(param) in aliases]
+    try:
+        for owner, name, param in replaced:
+            owner._parameters[name] = aliases[id(param)]
+        yield
+    finally:
+        for owner, name, param in replaced:
+            owner._parameters[name] = param
+
+
 class _GraphRunner:
-    """One forward graph and one backward graph of a layer for one input signature."""
+    """One forward graph and one backward graph of a layer for one input signature.
+    ``forward`` runs the layer on ``aliases`` of ``params`` (one each, in order)."""
 
     def __init__(self, graphs, forward: Callable, values: Sequence[Any],
-                 params: Sequence[torch.nn.Parameter]) -> None:
+                 params: Sequence[torch.nn.Parameter],
+                 aliases: Sequence[torch.nn.Parameter]) -> None:
         self.busy = False
         self.params = list(params)
         self.tensor_positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -174,15 +217,16 @@ class _GraphRunner:
         self._replay_forward, self.static_outputs = graphs.capture(run_forward, pool)
         self.static_grad_outputs = [torch.zeros_like(o) if o.requires_grad else None
                                     for o in self.static_outputs]
-        wanted = [s for s in self.static_inputs if s.requires_grad] + self.params
+        aliases = list(aliases)
+        wanted = [s for s in self.static_inputs if s.requires_grad] + aliases
 
         def run_backward() -> list:
             outputs = [o for o in self._live if o.requires_grad]
             grad_outputs = [g for g in self.static_grad_outputs if g is not None]
-            with _main_grad_flags_kept(self.params):
+            with _main_grad_flags_kept(aliases):
                 grads = torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True)
-                self.fused = [bool(getattr(p, "grad_added_to_main_grad", False))
-                              for p in self.params]
+                self.fused = [bool(getattr(a, "grad_added_to_main_grad", False))
+                              for a in aliases]
             count = len(wanted) - len(self.params)
             # A fused weight's gradient is the eager GEMM's placeholder: not kept.
             return list(grads[:count]) + [None if fused else grad for grad, fused
@@ -219,8 +263,14 @@ class _GraphRunner:
                 param.grad_added_to_main_grad = True
                 param.main_grad_is_zero = False
                 param_grads.append(torch.empty_like(param))  # what the DDP hook expects
+            elif grad is None:
+                param_grads.append(None)
+            elif param.grad is None and not hasattr(param, "main_grad"):
+                # Autograd would keep this tensor as ``param.grad`` and the next replay would
+                # overwrite it; a data-parallel hook adds it to ``main_grad`` and lets it go.
+                param_grads.append(grad.clone())
             else:
-                param_grads.append(None if grad is None else grad.detach())
+                param_grads.append(grad.detach())
         return input_grads + param_grads
 
     def outputs(self, tensors: Sequence[torch.Tensor]):
@@ -244,24 +294,28 @@ class _Replay(torch.autograd.Function):
         return (None, None, *ctx.runner.backward(grad_outputs))
 
 
+_MANAGERS: "weakref.WeakSet[CudaGraphManager]" = weakref.WeakSet()
+
+
+def delete_cuda_graphs() -> None:
+    """Free every layer's graphs (upstream's name), with no microbatch in flight: before the
+    process groups their collectives use are destroyed. Later training calls capture again."""
+    for manager in list(_MANAGERS):
+        manager.release()
+
+
 class CudaGraphManager:
     """Routes a layer's training calls to graph runners (upstream's name). Attach one per
-    layer; the layer's ``__call__`` passes ``(layer, args, kwargs)``.
-
-    A capture happens only while none of the layer's microbatches is in flight (its forward
-    run, its backward not yet): an autograd graph still alive holds the parameters' gradient
-    accumulators, made on the compute stream, and a capture on its side stream that reaches
-    them is invalidated (seen on an H100 with two microbatches in flight). So each input shape
-    has one runner, captured at a call with nothing in flight; a call while it is busy, as a
-    pipeline's second microbatch in flight, runs eagerly."""
+    layer; the layer's ``__call__`` passes ``(layer, args, kwargs)``. Each input shape has one
+    runner; a call while it is busy, as a pipeline's next microbatch in flight, runs eagerly."""
 
     def __init__(self, config, graphs=None) -> None:
         self.warmup = config.cuda_graph_warmup_steps
         self.graphs = graphs
         self.calls: dict[tuple, int] = {}
         self.runners: dict[tuple, _GraphRunner] = {}
-        self.eager_in_flight = 0
         self._warned = False
+        _MANAGERS.add(self)
 
     def __call__(self, layer: torch.nn.Module, args: tuple, kwargs: dict):
         if not (layer.training and torch.is_grad_enabled()):
@@ -270,36 +324,27 @@ class CudaGraphManager:
         values = list(args) + [kwargs[n] for n in names]
         signature = _signature(values)
         if signature is None:
-            return self._eager(layer, args, kwargs)
+            return torch.nn.Module.__call__(layer, *args, **kwargs)
         key = (len(args), tuple(names), signature)
         calls = self.calls.get(key, 0)
         if calls < self.warmup:
             self.calls[key] = calls + 1
-            return self._eager(layer, args, kwargs)
+            return torch.nn.Module.__call__(layer, *args, **kwargs)
         runner = self.runners.get(key)
         if runner is None and self._may_capture(layer):
             runner = self.runners[key] = self._capture(layer, key, values)
         if runner is None or runner.busy:
-            return self._eager(layer, args, kwargs)
+            return torch.nn.Module.__call__(layer, *args, **kwargs)
         tensors = [values[i] for i in runner.tensor_positions]
         outputs = _Replay.apply(runner, values, *tensors, *runner.params)
         return runner.outputs(outputs)
 
-    def _eager(self, layer, args: tuple, kwargs: dict):
-        output = torch.nn.Module.__call__(layer, *args, **kwargs)
-        hidden = output[0] if isinstance(output, tuple) else output
-        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            # In flight until its gradient arrives (one that never does keeps captures off).
-            self.eager_in_flight += 1
-            hidden.register_hook(self._landed)
-        return output
-
-    def _landed(self, grad):
-        self.eager_in_flight -= 1
+    def release(self) -> None:
+        self.runners.clear()
+        if self.graphs is not None:
+            self.graphs.release()
 
     def _may_capture(self, layer) -> bool:
-        if self.eager_in_flight or any(runner.busy for runner in self.runners.values()):
-            return False
         if len(self.runners) >= MAX_RUNNERS_PER_LAYER:
             if not self._warned:
                 logger.warning("layer %s: %d input shapes have CUDA graphs, calls with others "
@@ -316,12 +361,16 @@ class CudaGraphManager:
         count = len(key[1])
         positional = len(values) - count
 
-        def forward(*flat):
-            return layer.forward(*flat[:positional], **dict(zip(key[1], flat[positional:])))
-
         params = [p for p in layer.parameters() if p.requires_grad]
+        aliases = {id(p): _alias(p) for p in params}
+
+        def forward(*flat):
+            with _parameters_replaced(layer, aliases):
+                return layer.forward(*flat[:positional], **dict(zip(key[1], flat[positional:])))
+
         try:
-            return _GraphRunner(self.graphs, forward, values, params)
+            return _GraphRunner(self.graphs, forward, values, params,
+                                [aliases[id(p)] for p in params])
         except RuntimeError as error:
             raise RuntimeError(
                 f"--enable-cuda-graph: capturing transformer layer "
