@@ -87,6 +87,27 @@ def test_main_grad_accumulates_as_eagerly_when_both_kinds_of_microbatch_mix(fuse
                             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"} if fused else set())
 
 
+def test_the_first_microbatch_of_a_step_writes_main_grad_through_its_own_graph():
+    """With fused weight gradients a runner has two backward graphs: one adds into
+    ``main_grad``, one writes it while the buffer says it is zero (the eager GEMM's choice).
+    Filled with 7 but flagged zero, the buffer shows which ran: written, as eagerly."""
+    plain, graphed = pair(gradient_accumulation_fusion=True)
+    for model in (plain, graphed):
+        _ddp_like(model)
+    for step in range(3):
+        for model in (plain, graphed):
+            for param in model.parameters():
+                param.main_grad.fill_(7.0)
+                param.main_grad_is_zero = True
+            for seed in range(2):  # the first microbatch writes, the second adds
+                loss_of(model, 12, 2 * step + seed).backward()
+        for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
+            if name.endswith("linear_fc1.weight"):
+                assert torch.equal(a.main_grad, b.main_grad), (step, name)
+    runner = next(iter(graphed.decoder.layers[0].cudagraph_manager.runners.values()))
+    assert sorted(runner._backward) == [False, True]
+
+
 def test_a_capture_with_microbatches_in_flight_and_a_busy_runner_leaves_calls_eager():
     plain, graphed = pair()
     kept = loss_of(graphed, 12, 0)  # the warm-up call, its graph kept alive by the caller

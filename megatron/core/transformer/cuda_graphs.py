@@ -23,6 +23,8 @@ What a graph's fixed memory asks of the caller, and how this module answers:
   graph, and autograd receives the placeholder flagged ``grad_added_to_main_grad`` that the
   eager GEMM returns; every other parameter receives the graph's gradient tensor, which the
   data-parallel hook adds to ``main_grad``. So eager and replayed microbatches mix in a step.
+  Such a runner has two backward graphs, one adding into ``main_grad`` and one writing it
+  while the buffer is still zero this step, as the eager GEMM chooses per call.
 * Evaluation, ``torch.no_grad`` and input shapes past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
 * ``delete_cuda_graphs()`` frees every layer's graphs; a run calls it before destroying its
   process groups, which wait forever on an NCCL communicator that live graphs still use
@@ -144,25 +146,26 @@ def _signature(values: Sequence[Any]) -> Optional[tuple]:
 
 
 @contextlib.contextmanager
-def _main_grad_flags_kept(params: Sequence[torch.nn.Parameter]):
-    """Run a captured backward without touching the data-parallel flags: weight-gradient GEMMs
-    accumulate (a graph cannot choose per step whether the buffer is still zero, and the
-    buffer is zeroed every step), and their ``grad_added_to_main_grad`` marks are undone."""
+def _main_grad_flags_set(params: Sequence[torch.nn.Parameter], zero: bool):
+    """Run a captured backward with the data-parallel flags as one variant of the graph needs
+    them: ``main_grad_is_zero`` is ``zero`` (a graph cannot choose per step whether the buffer
+    is still zero: one variant adds into it, the other writes it), and the
+    ``grad_added_to_main_grad`` marks the fused GEMMs leave are undone afterwards."""
     saved = [(getattr(p, "grad_added_to_main_grad", None), getattr(p, "main_grad_is_zero", None))
              for p in params]
     for p in params:
         if hasattr(p, "main_grad_is_zero"):
-            p.main_grad_is_zero = False
+            p.main_grad_is_zero = zero
         if hasattr(p, "grad_added_to_main_grad"):
             p.grad_added_to_main_grad = False
     try:
         yield
     finally:
-        for p, (added, zero) in zip(params, saved):
+        for p, (added, was_zero) in zip(params, saved):
             if added is not None:
                 p.grad_added_to_main_grad = added
-            if zero is not None:
-                p.main_grad_is_zero = zero
+            if was_zero is not None:
+                p.main_grad_is_zero = was_zero
 
 
 def _alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -220,11 +223,12 @@ class _GraphRunner:
         aliases = list(aliases)
         wanted = [s for s in self.static_inputs if s.requires_grad] + aliases
 
-        def run_backward() -> list:
+        def run_backward(overwrite: bool, last: bool) -> list:
             outputs = [o for o in self._live if o.requires_grad]
             grad_outputs = [g for g in self.static_grad_outputs if g is not None]
-            with _main_grad_flags_kept(aliases):
-                grads = torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True)
+            with _main_grad_flags_set(aliases, zero=overwrite):
+                grads = torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True,
+                                            retain_graph=not last)
                 self.fused = [bool(getattr(a, "grad_added_to_main_grad", False))
                               for a in aliases]
             count = len(wanted) - len(self.params)
@@ -232,8 +236,17 @@ class _GraphRunner:
             return list(grads[:count]) + [None if fused else grad for grad, fused
                                           in zip(grads[count:], self.fused)]
 
-        self._replay_backward, self.static_grads = graphs.capture(
-            run_backward, pool, keep=[p.main_grad for p in self.params if hasattr(p, "main_grad")])
+        # Two backward graphs where fused weight gradients go to data-parallel buffers: one
+        # adds into ``main_grad``, one writes it while the buffer is still zero this step (the
+        # first microbatch's, as the eager GEMM does: spares reading the fp32 buffer). They
+        # share the pool: only one runs per microbatch.
+        keep = [p.main_grad for p in self.params if hasattr(p, "main_grad")]
+        two = any(hasattr(a, "main_grad_is_zero") for a in aliases)
+        self._backward = {False: graphs.capture(functools.partial(run_backward, False, not two),
+                                                pool, keep=keep)}
+        if two and any(self.fused):
+            self._backward[True] = graphs.capture(functools.partial(run_backward, True, True),
+                                                  pool, keep=keep)
 
     def forward(self, values: Sequence[Any]) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -252,13 +265,16 @@ class _GraphRunner:
                     static.zero_()
                 else:
                     static.copy_(grad)
-        self._replay_backward()
+        overwrite = True in self._backward and all(
+            getattr(p, "main_grad_is_zero", False) for p, f in zip(self.params, self.fused) if f)
+        replay, static_grads = self._backward[overwrite]
+        replay()
         self.busy = False
-        count = len(self.static_grads) - len(self.params)
-        inputs = iter(g.detach() if g is not None else None for g in self.static_grads[:count])
+        count = len(static_grads) - len(self.params)
+        inputs = iter(g.detach() if g is not None else None for g in static_grads[:count])
         input_grads = [next(inputs) if s.requires_grad else None for s in self.static_inputs]
         param_grads = []
-        for param, grad, fused in zip(self.params, self.static_grads[count:], self.fused):
+        for param, grad, fused in zip(self.params, static_grads[count:], self.fused):
             if fused:
                 param.grad_added_to_main_grad = True
                 param.main_grad_is_zero = False
