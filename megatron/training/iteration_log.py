@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from datetime import datetime
-from typing import Optional
+from typing import Optional, Union
+
+import torch
 
 from megatron.training import metrics_writers
 from megatron.training.flops import num_floating_point_operations
@@ -53,13 +55,14 @@ TIMERS_TO_LOG = (
 
 @dataclasses.dataclass
 class StepReport:
-    """What one iteration produced, as the log needs it."""
+    """What one iteration produced, as the log needs it. The losses and the loss scale may be
+    device tensors, read (a device synchronization) only where a line or writer uses them."""
 
-    loss_dict: dict[str, float]
+    loss_dict: dict[str, Union[torch.Tensor, float]]
     skipped: bool
     learning_rate: float
     decoupled_learning_rate: Optional[float]
-    loss_scale: float
+    loss_scale: Union[torch.Tensor, float]
     grad_norm: Optional[float]
     num_zeros: Optional[float]
     params_norm: Optional[float]
@@ -75,7 +78,7 @@ class LogState:
 
     def reset(self) -> None:
         """Start a new logging interval."""
-        self.totals: dict[str, float] = {}
+        self.totals: dict[str, Union[torch.Tensor, float]] = {}  # summed on the device
         self.advanced = 0
         self.skipped = 0
         self.nan = 0
@@ -91,11 +94,11 @@ class LogState:
                 self.totals[key] = self.totals.get(key, 0.0) + value
             return
         self.skipped += 1
-        if any(math.isnan(value) or math.isinf(value) for value in report.loss_dict.values()):
+        if any(not math.isfinite(float(value)) for value in report.loss_dict.values()):
             self.nan += 1
 
 
-def step_report(model, optimizer, loss_dict: dict[str, float], skipped: int, grad_norm,
+def step_report(model, optimizer, loss_dict: dict[str, torch.Tensor], skipped: int, grad_norm,
                 num_zeros) -> StepReport:
     """The iteration's numbers for the log; with ``--log-params-norm`` a collective."""
     args = get_args()
@@ -109,7 +112,7 @@ def step_report(model, optimizer, loss_dict: dict[str, float], skipped: int, gra
         loss_dict=loss_dict, skipped=bool(skipped),
         learning_rate=learning_rate if learning_rate is not None else decoupled,
         decoupled_learning_rate=decoupled if args.decoupled_lr is not None else None,
-        loss_scale=float(optimizer.get_loss_scale()),
+        loss_scale=optimizer.get_loss_scale(),
         grad_norm=None if grad_norm is None else float(grad_norm),
         num_zeros=num_zeros if args.log_num_zeros_in_grad else None,
         params_norm=calc_params_l2_norm(model) if args.log_params_norm else None)
@@ -175,10 +178,10 @@ def format_log_line(args, state: LogState, report: StepReport, iteration: int,
         line += f" decoupled learning rate: {report.decoupled_learning_rate:.6E} |"
     line += f" global batch size: {batch_size:5d} |"
     for key, total in state.totals.items():
-        average = total / max(1, state.advanced)
+        average = float(total) / max(1, state.advanced)
         if average > 0.0:  # as upstream: a NaN or non-positive average is left out
             line += f" {key}: {average:.6E} |"
-    line += f" loss scale: {report.loss_scale:.1f} |"
+    line += f" loss scale: {float(report.loss_scale):.1f} |"
     if report.grad_norm is not None:
         line += f" grad norm: {report.grad_norm:.3f} |"
     if report.num_zeros is not None:
@@ -202,9 +205,9 @@ def write_training_scalars(args, writer, report: StepReport, iteration: int,
         writer.add_scalar("skipped-train-samples", skipped_samples, iteration)
     writer.add_scalar("batch-size", batch_size, iteration, samples)
     for key, value in report.loss_dict.items():
-        writer.add_scalar(key, value, iteration, samples)
+        writer.add_scalar(key, float(value), iteration, samples)
     if args.log_loss_scale_to_tensorboard:
-        writer.add_scalar("loss-scale", report.loss_scale, iteration, samples)
+        writer.add_scalar("loss-scale", float(report.loss_scale), iteration, samples)
     if args.log_world_size_to_tensorboard:
         writer.add_scalar("world-size", args.world_size, iteration, samples)
     if report.grad_norm is not None:

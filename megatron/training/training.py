@@ -402,10 +402,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             grad_norm, num_zeros)
 
 
-def _average_reports(reports: list) -> dict[str, float]:
+def _average_reports(reports: list) -> dict[str, torch.Tensor]:
     """Each reported value over the microbatches (last pipeline stage; {} elsewhere): a
     ``(sum, count)`` pair is summed over microbatches and data- and context-parallel ranks,
-    then divided, as upstream does; a plain value is averaged over the microbatches."""
+    then divided, as upstream does; a plain value is averaged over the microbatches. The
+    averages stay on the device: read on the host only when a log line or writer needs them,
+    so an iteration does not wait for its optimizer step before the next one is queued."""
     if not reports or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
     averaged = {}
@@ -416,9 +418,9 @@ def _average_reports(reports: list) -> dict[str, float]:
             if dist.is_initialized():
                 dist.all_reduce(total, group=parallel_state.get_data_parallel_group(
                     with_context_parallel=True))
-            averaged[key] = float(total[0] / total[1].clamp(min=1.0))
+            averaged[key] = total[0] / total[1].clamp(min=1.0)
         else:
-            averaged[key] = float(sum(values)) / len(values)
+            averaged[key] = torch.stack(values).sum(dim=0).squeeze(0) / len(values)
     return averaged
 
 
@@ -558,7 +560,7 @@ def evaluate(forward_step_func, data_iterator, model, process_non_loss_data_func
             chunk.train()
         timers("evaluate").stop()
     timers.log(["evaluate"])
-    return totals, None, False
+    return {key: float(total) for key, total in totals.items()}, None, False
 
 
 def evaluate_and_print_results(prefix: str, forward_step_func, data_iterator, model,

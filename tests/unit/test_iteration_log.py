@@ -3,8 +3,10 @@
 import re
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.training import metrics_writers
+from megatron.training import metrics_writers, training
 from megatron.training.arguments import parse_args
 from megatron.training.global_vars import set_args
 from megatron.training.iteration_log import (
@@ -146,3 +148,30 @@ def test_evaluation_line_and_scalars(args, writer):
     write_evaluation_scalars(parsed, writer, {"lm loss": 2.0}, 4, 16)
     assert writer.scalars["lm loss validation"] == (2.0, 4, 16)
     assert writer.scalars["lm loss validation ppl"][0] == pytest.approx(7.389056)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value by the host (a device synchronization on a GPU)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func is not torch.ops.aten._local_scalar_dense.default, "a host read"
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_iteration_that_logs_nothing_reads_nothing_from_the_device(args, capsys,
+                                                                       monkeypatch):
+    """The iteration's averages stay tensors until a log line or writer needs them, so an
+    iteration does not wait for its optimizer step before the next one is queued; the line
+    then reads the interval's sums."""
+    args("--log-interval", "2")
+    monkeypatch.setattr(training.parallel_state, "is_pipeline_last_stage", lambda **_: True)
+    state = LogState()
+    reports = [[{"lm loss": torch.tensor([3.0 * m + i, 1.0])} for m in range(2)]
+               for i in range(2)]
+    with _NoHostReads():
+        averaged = training._average_reports(reports[0])
+        training_log(state, report(loss=averaged["lm loss"], loss_scale=torch.tensor(1.0)),
+                     1, 1, 1)
+    training_log(state, report(loss=training._average_reports(reports[1])["lm loss"],
+                               loss_scale=torch.tensor(1.0)), 2, 2, 1)
+    assert "lm loss: 2.000000E+00 |" in capsys.readouterr().out  # (1.5 + 2.5) / 2
