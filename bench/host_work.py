@@ -10,7 +10,8 @@ bench runs the trainer's step (``megatron.training.train``, one micro-batch per 
 flags of ``bench/gpt_step.py``'s trainer rows) and the model-only step (the same GPT, torch's
 AdamW) on the CPU over gloo, at full depth and a tiny width (compute is negligible, the host
 work per step does not depend on the width), and counts per phase the Python calls (functions
-and builtins, as ``sys.setprofile`` sees them) and the ATen operators dispatched. Torch's AdamW
+and builtins, as ``sys.setprofile`` sees them), the ATen operators dispatched and the host reads
+of a tensor's value (device synchronizations on a GPU). Torch's AdamW
 runs its fused kernel in both, as the trainer's does on a GPU. It prints the table and the
 trainer's totals as multiples of the model's; run to run the counts differ by a few calls.
 """
@@ -51,12 +52,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class _Tally:
-    """Python calls and ATen operators, each counted against the innermost open phase."""
+    """Python calls, ATen operators and host reads of a tensor's value (``.item()``, ``float()``:
+    on a GPU each waits for the device to drain its queue), each counted against the innermost
+    open phase."""
 
     def __init__(self):
         self.phase = ["loop"]
         self.calls: Counter = Counter()
         self.ops: Counter = Counter()
+        self.reads: Counter = Counter()
 
     def tagged(self, fn, phase: str):
         def inner(*args, **kwargs):
@@ -69,6 +73,7 @@ class _Tally:
 
     @contextlib.contextmanager
     def counting(self):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tally = self
@@ -76,6 +81,8 @@ class _Tally:
         class Operators(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 tally.ops[tally.phase[-1]] += 1
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    tally.reads[tally.phase[-1]] += 1
                 return func(*args, **(kwargs or {}))
 
         def profile(frame, event, arg):
@@ -84,6 +91,7 @@ class _Tally:
 
         self.calls.clear()
         self.ops.clear()
+        self.reads.clear()
         with Operators():
             sys.setprofile(profile)
             try:
@@ -99,7 +107,7 @@ def fused_adam_everywhere() -> None:
     fused_kernels._all_on_gpu = lambda param_groups: True
 
 
-def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
+def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter, Counter]:
     import torch
 
     import gpt_step
@@ -133,10 +141,10 @@ def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
     optimizer.step = tally.tagged(optimizer.step, "optimizer")
     with tally.counting():
         train(2, 2 + args.steps)
-    return Counter(tally.calls), Counter(tally.ops)
+    return Counter(tally.calls), Counter(tally.ops), Counter(tally.reads)
 
 
-def model_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
+def model_counts(args, tally: _Tally) -> tuple[Counter, Counter, Counter]:
     """The same GPT with bf16 parameters and torch's fused AdamW over them, nothing else."""
     import torch
 
@@ -173,7 +181,7 @@ def model_counts(args, tally: _Tally) -> tuple[Counter, Counter]:
     with tally.counting():
         for _ in range(args.steps):
             step()
-    return Counter(tally.calls), Counter(tally.ops)
+    return Counter(tally.calls), Counter(tally.ops), Counter(tally.reads)
 
 
 def main(argv=None) -> int:
@@ -183,21 +191,22 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     fused_adam_everywhere()
-    trainer_calls, trainer_ops = trainer_counts(args, _Tally())
-    model_calls, model_ops = model_counts(args, _Tally())
+    trainer_calls, trainer_ops, trainer_reads = trainer_counts(args, _Tally())
+    model_calls, model_ops, model_reads = model_counts(args, _Tally())
     steps = args.steps
     print(f"Host work per step: {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads, sequence {args.seq_length}; one micro-batch; "
           f"torch {torch.__version__}; command: python bench/host_work.py "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}")
+    counters = (trainer_calls, model_calls, trainer_ops, model_ops, trainer_reads, model_reads)
     print(f"{'phase':10s} {'trainer calls':>14s} {'model calls':>12s} {'trainer ops':>12s} "
-          f"{'model ops':>10s}")
+          f"{'model ops':>10s} {'trainer reads':>14s} {'model reads':>12s}")
+    widths = (14, 12, 12, 10, 14, 12)
     for phase in PHASES:
-        print(f"{phase:10s} {trainer_calls[phase] / steps:14.0f} {model_calls[phase] / steps:12.0f}"
-              f" {trainer_ops[phase] / steps:12.0f} {model_ops[phase] / steps:10.0f}")
-    totals = [sum(counter.values()) / steps
-              for counter in (trainer_calls, model_calls, trainer_ops, model_ops)]
-    print(f"{'total':10s} {totals[0]:14.0f} {totals[1]:12.0f} {totals[2]:12.0f} {totals[3]:10.0f}")
+        print(f"{phase:10s} " + " ".join(f"{c[phase] / steps:{w}.0f}"
+                                         for c, w in zip(counters, widths)))
+    totals = [sum(counter.values()) / steps for counter in counters]
+    print(f"{'total':10s} " + " ".join(f"{t:{w}.0f}" for t, w in zip(totals, widths)))
     print(f"trainer/model host work: Python calls {totals[0] / totals[1]:.3f}x, ATen operators "
           f"{totals[2] / totals[3]:.3f}x")
     return 0
