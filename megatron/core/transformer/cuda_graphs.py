@@ -9,8 +9,8 @@ What a graph's fixed memory asks of the caller, and how this module answers:
 
 * The first ``cuda_graph_warmup_steps`` calls of a signature run eagerly: they make what is
   created lazily (NCCL communicators, compiled kernels, cuBLAS workspaces) before a capture.
-* A *runner* owns one forward graph, one backward graph and the static tensors they read and
-  write. Its outputs stay valid until its backward has run, so a runner is busy from its
+* A *runner* owns a forward graph, its backward graph(s) and the static tensors they read
+  and write. Its outputs stay valid until its backward has run, so a runner is busy from its
   forward to its backward; a call meanwhile (a pipeline's next microbatch in flight) runs
   eagerly.
 * A capture computes the parameters' gradients through aliases of them made for it (same
@@ -192,8 +192,9 @@ def _parameters_replaced(module: torch.nn.Module, aliases: dict[int, torch.nn.Pa
 
 
 class _GraphRunner:
-    """One forward graph and one backward graph of a layer for one input signature.
-    ``forward`` runs the layer on ``aliases`` of ``params`` (one each, in order)."""
+    """A layer's forward graph and its backward graph (two where weight gradients are fused
+    into data-parallel buffers) for one input signature. ``forward`` runs the layer on
+    ``aliases`` of ``params`` (one each, in order)."""
 
     def __init__(self, graphs, forward: Callable, values: Sequence[Any],
                  params: Sequence[torch.nn.Parameter],
@@ -239,7 +240,8 @@ class _GraphRunner:
         # Two backward graphs where fused weight gradients go to data-parallel buffers: one
         # adds into ``main_grad``, one writes it while the buffer is still zero this step (the
         # first microbatch's, as the eager GEMM does: spares reading the fp32 buffer). They
-        # share the pool: only one runs per microbatch.
+        # share the pool, as only one runs per microbatch; the first capture keeps the
+        # forward's saved tensors alive, so the second cannot place anything on them.
         keep = [p.main_grad for p in self.params if hasattr(p, "main_grad")]
         two = any(hasattr(a, "main_grad_is_zero") for a in aliases)
         self._backward = {False: graphs.capture(functools.partial(run_backward, False, not two),
