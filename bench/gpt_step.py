@@ -121,7 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
     parser.add_argument("--profile", type=Path,
-                        help="write a kernel-time table of one step of each run into this folder")
+                        help="write a kernel-time table of one step of each run into this "
+                             "folder, with the GPU's busy time and its idle gaps by the kernel "
+                             "that ended each")
     parser.add_argument("--microbatches", type=int, default=1,
                         help="micro-batches per step of the trainer rows (default 1; the "
                              "other rows step after each)")
@@ -264,9 +266,26 @@ def loss_module(model, step_loss):
     return Loss()
 
 
+IDLE_GAP_US = 20  # a kernel launch's own latency is a few microseconds
+
+
+def busy_and_idle(kernels: list[tuple[float, float, str]]) -> tuple[float, dict]:
+    """From sorted ``(start, end, name)`` kernel intervals (microseconds): the time the GPU ran
+    any (their union), and its idle gaps over ``IDLE_GAP_US`` by the kernel that ended each."""
+    busy, reach = 0.0, -math.inf
+    idle: dict[str, list[float]] = {}
+    for begin, end, name in kernels:
+        if reach > -math.inf and begin - reach > IDLE_GAP_US:
+            idle.setdefault(name[:70], []).append(begin - reach)
+        busy += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    return busy, idle
+
+
 def write_profile(args, torch, run) -> None:
-    """Kernel tables of ``run`` (one or more steps), and how much of its wall time the GPU
-    was busy: where kernels wait on the host, busy time falls short of the wall."""
+    """Kernel tables of ``run`` (one or more steps), how much of its wall time the GPU was
+    busy (where kernels wait on the host, busy time falls short of the wall), and where it
+    was idle: the gaps, summed by the kernel that ended them, say which host work was late."""
     args.profile.mkdir(parents=True, exist_ok=True)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
@@ -278,21 +297,24 @@ def write_profile(args, torch, run) -> None:
         wall = time.perf_counter() - start
     # Kernels and copies only: a compiled graph's annotation spans its kernels and the gaps
     # between them.
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA
                      and not getattr(e, "is_user_annotation", False))
-    busy, reach = 0.0, -math.inf
-    for begin, end in kernels:  # the union of kernel intervals, in microseconds
-        busy += max(0.0, end - max(begin, reach))
-        reach = max(reach, end)
+    busy, idle = busy_and_idle(kernels)
     # Host time spent waiting for the GPU: what is left of the wall is the host's own work
     # (profiled, so inflated); where it nears the wall, the step is host-bound.
     averages = prof.key_averages()
     waited = sum(e.self_cpu_time_total for e in averages
                  if e.key in ("cudaDeviceSynchronize", "cudaStreamSynchronize",
                               "cudaEventSynchronize", "cudaMemcpy"))
+    gaps = sorted(idle.items(), key=lambda item: -sum(item[1]))
     tables = [f"wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, {len(kernels)} kernels, "
               f"host waiting on the GPU {waited / 1e3:.1f} ms",
+              f"GPU idle in gaps over {IDLE_GAP_US} us: "
+              f"{sum(map(sum, idle.values())) / 1e3:.1f} ms; by the kernel that ended them "
+              "(where the host was late):",
+              *(f"  {sum(times) / 1e3:8.2f} ms in {len(times):4d} gaps before {name}"
+                for name, times in gaps[:15]),
               averages.table(sort_by="self_cuda_time_total", row_limit=40),
               averages.table(sort_by="self_cpu_time_total", row_limit=30)]
     (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))

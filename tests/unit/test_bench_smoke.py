@@ -129,3 +129,14 @@ def test_gpt_step_trainer_rows_run_on_the_cpu():
         assert re.search(rf"^{row}:eager +[\d.]+ ms/step", output, re.MULTILINE), output
     assert re.search(r"^trainer-fp8/trainer tokens/s = \d+\.\d{3} \(target >= 1\.10", output,
                      re.MULTILINE), output
+
+
+def test_the_profile_counts_busy_time_once_and_idle_gaps_by_the_kernel_after_them():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpt_step
+
+    kernels = [(0.0, 10.0, "gemm"), (5.0, 12.0, "norm"), (100.0, 110.0, "adam"),
+               (125.0, 130.0, "adam"), (131.0, 140.0, "embedding"), (200.0, 201.0, "adam")]
+    busy, idle = gpt_step.busy_and_idle(kernels)
+    assert busy == 12.0 + 10.0 + 5.0 + 9.0 + 1.0
+    assert idle == {"adam": [88.0, 60.0]}  # the 13 us gap is a launch's latency, not idle
