@@ -420,7 +420,7 @@ def _average_reports(reports: list) -> dict[str, torch.Tensor]:
                     with_context_parallel=True))
             averaged[key] = total[0] / total[1].clamp(min=1.0)
         else:
-            averaged[key] = torch.stack(values).sum(dim=0).squeeze(0) / len(values)
+            averaged[key] = torch.cat(values).mean()
     return averaged
 
 

@@ -335,7 +335,7 @@ class TransformerConfig(ModelParallelConfig):
     # --- CUDA graphs (transformer/cuda_graphs.py) ---
     enable_cuda_graph: bool = False
     """Capture each transformer layer's training forward and backward as CUDA graphs and
-    replay them (one pair per input shape; see transformer/cuda_graphs.py)."""
+    replay them (a runner of graphs per input shape; see transformer/cuda_graphs.py)."""
 
     cuda_graph_use_single_mempool: bool = False
     cuda_graph_retain_backward_graph: bool = False
