@@ -7,7 +7,12 @@ the mode:
 
 ``disabled``
     The result is checked once; a rejected fatal result raises ``RuntimeError`` naming the
-    rank, the iteration and the check, a non-fatal one is logged.
+    rank, the iteration and the check, a non-fatal one is logged. Within the iteration loop a
+    check whose verdict is a tensor (``torch.isnan`` of a loss on the GPU) is judged with the
+    iteration's others in one read (``check_deferred_results``, called at the end of a
+    forward-backward schedule, by the data-parallel gradient NaN check and by
+    ``should_run_forward_backward``), before any optimizer step: a read per check emptied the
+    GPU's queue each time (once per microbatch). Outside the loop a check is judged at once.
 ``validate_results``
     The whole iteration runs again on the same device with the same data and random states.
     A different result there is a transient fault (exit code 17, or training goes on for a
@@ -218,6 +223,7 @@ class RerunStateMachine:
         self.max_values: dict[str, float] = {}
         self.saved_results: dict[Call, Any] = {}
         self.stats: dict[Caller, QuickStats] = defaultdict(QuickStats)
+        self._deferred: list[tuple[torch.Tensor, Any, str, bool]] = []
         # Upstream's line; a warning only where the machine does more than check once.
         _log_rank0(logging.INFO if self.mode == RerunMode.DISABLED else logging.WARNING,
                    f"RerunStateMachine initialized in mode {self.mode}")
@@ -233,6 +239,7 @@ class RerunStateMachine:
     def should_run_forward_backward(self, data_iterator: DataIteratorArgType) -> bool:
         """Whether to run the iteration's forward and backward passes (again): the condition
         of a ``while`` loop around them, with the iteration's data iterator(s)."""
+        self.check_deferred_results()
         self.validation_counts = defaultdict(int)
         iterators = self._rerun_iterators(data_iterator)
         if self.state == RerunState.NOT_RUNNING_YET:
@@ -391,9 +398,29 @@ class RerunStateMachine:
         except OSError as error:  # the diagnosis goes on without the record
             logger.error(f"could not append to {self.result_rejected_tracker_filename}: {error}")
 
-    def _check_once(self, result: Any, rejection_func, message: str, fatal: bool) -> None:
-        if not rejection_func(result):
+    def check_deferred_results(self) -> None:
+        """Judge the checks deferred since the last call, in the order they were made, with
+        one read of their verdicts (see the module's ``disabled``)."""
+        if not self._deferred:
             return
+        deferred, self._deferred = self._deferred, []
+        device = deferred[0][0].device
+        verdicts = torch.stack([rejected.reshape(()).to(device=device, dtype=torch.bool)
+                                for rejected, *_ in deferred])
+        if not verdicts.any():
+            return
+        for verdict, (_, result, message, fatal) in zip(verdicts.tolist(), deferred):
+            if verdict:
+                self._report_rejection(result, message, fatal)
+
+    def _check_once(self, result: Any, rejection_func, message: str, fatal: bool) -> None:
+        rejected = rejection_func(result)
+        if isinstance(rejected, torch.Tensor) and self.state == RerunState.INITIAL_RUN:
+            self._deferred.append((rejected.detach(), result, message, fatal))
+        elif rejected:
+            self._report_rejection(result, message, fatal)
+
+    def _report_rejection(self, result: Any, message: str, fatal: bool) -> None:
         self._track(RerunValidationStatus.RERUN_DISABLED, result, message)
         node, device = _this_device()
         text = (f"Rank {_rank()}, node {node}, device {device}, iteration "

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from megatron.core.fusions import compiled
 from megatron.core.transformer import cuda_graphs
 from tests.support.gpt_support import batch, build_gpt, small_config
 
@@ -106,6 +107,17 @@ def test_the_first_microbatch_of_a_step_writes_main_grad_through_its_own_graph()
                 assert torch.equal(a.main_grad, b.main_grad), (step, name)
     runner = next(iter(graphed.decoder.layers[0].cudagraph_manager.runners.values()))
     assert sorted(runner._backward) == [False, True]
+
+
+def test_a_layer_with_dropout_keeps_only_the_adding_backward_graph():
+    """With both graphs, tp 2 with dropout drifted from eager over NCCL (H100); with the
+    adding one alone it matched bit for bit."""
+    _, graphed = pair(gradient_accumulation_fusion=True, hidden_dropout=0.1)
+    _ddp_like(graphed)
+    for seed in range(3):
+        loss_of(graphed, 12, seed).backward()
+    runner = next(iter(graphed.decoder.layers[0].cudagraph_manager.runners.values()))
+    assert any(runner.fused) and sorted(runner._backward) == [False]
 
 
 def test_a_capture_with_microbatches_in_flight_and_a_busy_runner_leaves_calls_eager():
@@ -255,3 +267,51 @@ def test_a_replayed_backward_first_in_a_step_leaves_no_static_buffer_as_a_gradie
             first.backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+class _CompiledLayer(torch.nn.Module):
+    """A layer around a torch.compile'd function whose backward AOTAutograd would let donate
+    (reuse) its saved buffers, as the fused bias-dropout-add's does on a GPU."""
+
+    def __init__(self, compiled):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))
+        self.compiled = compiled
+
+    def forward(self, x):
+        return self.compiled(x @ self.weight.t()), None
+
+
+def _scaled_softmax(x):
+    return torch.softmax(x * 3, -1) * x
+
+
+def _main_grad_after_four_microbatches(layer, manager=None) -> torch.Tensor:
+    _ddp_like(layer)
+    for seed in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        output = manager(layer, (x,), {})[0] if manager else layer(x)[0]
+        output.square().sum().backward()
+    return layer.weight.main_grad
+
+
+@pytest.mark.parametrize("donating", [False, True], ids=["the-tree's-compile", "torch.compile"])
+def test_a_compiled_function_in_a_layer_with_two_backward_graphs_captures(donating):
+    """A runner captures its adding and its writing backward from one forward, which a
+    donating compiled backward forbids (a failed capture over NCCL with dropout). The tree
+    compiles without donation; a function compiled with it gets its layer one backward graph
+    (replays on CPU re-run the forward, so only that choice shows here). Either way
+    ``main_grad`` is as eager's."""
+    torch._dynamo.reset()  # compiled afresh for each case
+    compile_ = torch.compile if donating else compiled.compile_keeping_saved_buffers
+    function = compile_(_scaled_softmax)
+    manager = cuda_graphs.CudaGraphManager(small_config(enable_cuda_graph=True,
+                                                        cuda_graph_warmup_steps=1))
+    got = _main_grad_after_four_microbatches(_CompiledLayer(function), manager)
+    assert torch.equal(got, _main_grad_after_four_microbatches(_CompiledLayer(function)))
+    (runner,) = manager.runners.values()
+    assert len(runner._backward) == 1  # no weight gradient is fused here: one graph
+    # What decides a runner's second backward graph where weight gradients are fused:
+    output = function(torch.randn(4, 8, requires_grad=True))
+    assert cuda_graphs._donates_saved_buffers([output]) == donating

@@ -11,11 +11,16 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import ModelParallelConfig
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.rerun_state_machine import (
+    destroy_rerun_state_machine,
+    get_rerun_state_machine,
+)
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.config_builders import ddp_config_from_args, optimizer_config_from_args
 
@@ -151,11 +156,51 @@ def test_nan_in_the_loss_names_the_rank(monkeypatch):
 
     monkeypatch.setattr(global_vars, "_ARGS",
                         argparse.Namespace(check_for_nan_in_loss_and_grad=True,
-                                           check_for_spiky_loss=False))
+                                           check_for_spiky_loss=False,
+                                           calculate_per_token_loss=False))
     losses = torch.tensor([[1.0, float("nan")]])
     with pytest.raises(RuntimeError, match="Rank 0, .*found NaN in local forward loss .*"
                                            "--no-check-for-nan-in-loss-and-grad"):
-        pretrain_gpt.loss_func(torch.ones(1, 2), losses)
+        pretrain_gpt.loss_func(torch.ones(1, 2), losses)  # outside an iteration: at once
+
+
+def test_the_loss_checks_of_a_step_are_read_once_with_the_gradient_check(monkeypatch):
+    """The loss's NaN verdicts wait on the device for the gradient buckets' check, which reads
+    them with its own in one synchronization; a NaN loss is named first."""
+    import argparse
+
+    import pretrain_gpt
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "_ARGS",
+                        argparse.Namespace(check_for_nan_in_loss_and_grad=True,
+                                           check_for_spiky_loss=False,
+                                           calculate_per_token_loss=False))
+    model = _ddp(check_for_nan_in_grad=True)
+    model.zero_grad_buffer()
+    reads = []
+
+    class Reads(TorchDispatchMode):  # a host read of a value: a synchronization on a GPU
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    machine = get_rerun_state_machine()
+    assert machine.should_run_forward_backward(None)  # within an iteration
+    with Reads():
+        for loss in (1.0, 2.0, 3.0):  # three microbatches
+            pretrain_gpt.loss_func(torch.ones(1, 1), torch.tensor([[loss]]))
+        model(torch.randn(3, 4)).sum().backward()
+        model.finish_grad_sync()
+    assert reads == [1]  # whether any of the three losses and the bucket was NaN
+    pretrain_gpt.loss_func(torch.ones(1, 1), torch.tensor([[float("nan")]]))
+    model.zero_grad_buffer()
+    model(torch.randn(3, 4)).sum().backward()
+    model.module.fc1.weight.main_grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="found NaN in local forward loss"):
+        model.finish_grad_sync()
+    destroy_rerun_state_machine()  # mid-iteration
 
 
 def test_overlapped_parameter_gather_waits_in_forward_pre_hooks():

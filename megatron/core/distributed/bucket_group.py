@@ -133,6 +133,7 @@ class BucketGroup:
                         f"pass produced it (look at the batch it read and at the learning "
                         f"rate; check_for_nan_in_grad=True, --no-check-for-nan-in-loss-and-grad "
                         f"turns the check off)")
+        machine.check_deferred_results()  # before the reduction spreads a NaN to every rank
 
     def check_accepts_gradients(self) -> None:
         """Raise if gradients would be added to buckets whose reduction already started."""

@@ -32,6 +32,7 @@ from megatron.core.pipeline_parallel.p2p_communicator import P2PCommunicator
 from megatron.core.pipeline_parallel.plan_executor import PlanExecutor, ScheduleRun
 from megatron.core.pipeline_parallel.schedule_plan import (
     PlanSpec, ScheduleRequestError, build_plan, timetable)
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tensor_parallel.fp8_tensorwise import weights_unchanged
 from megatron.core.utils import get_model_config, get_model_type
 
@@ -132,6 +133,7 @@ def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, s
         trace=trace)
     with weights_unchanged():  # no weight changes between a call's microbatches
         result = PlanExecutor(run).execute()
+    get_rerun_state_machine().check_deferred_results()  # the losses' NaN checks, say
     if timers is not None:
         timers("forward-backward").stop()
     return result

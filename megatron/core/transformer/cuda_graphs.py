@@ -24,7 +24,11 @@ What a graph's fixed memory asks of the caller, and how this module answers:
   eager GEMM returns; every other parameter receives the graph's gradient tensor, which the
   data-parallel hook adds to ``main_grad``. So eager and replayed microbatches mix in a step.
   Such a runner has two backward graphs, one adding into ``main_grad`` and one writing it
-  while the buffer is still zero this step, as the eager GEMM chooses per call.
+  while the buffer is still zero this step, as the eager GEMM chooses per call. Both are
+  captured from one forward, which a compiled backward that donates its saved buffers
+  forbids (a failed capture over NCCL with dropout on): the tree compiles without donation
+  (``compile_keeping_saved_buffers``), and a layer holding a function compiled with it gets
+  one backward graph, the adding one, as does a layer with dropout (``_has_dropout``).
 * Evaluation, ``torch.no_grad`` and input shapes past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
 * ``delete_cuda_graphs()`` frees every layer's graphs; a run calls it before destroying its
   process groups, which wait forever on an NCCL communicator that live graphs still use
@@ -115,7 +119,9 @@ class RerunGraphs:
                 tensor.copy_(value)
 
         def replay() -> None:
-            with torch.enable_grad():  # an autograd.Function's forward runs without
+            # As captured: gradients on (an autograd.Function's forward runs without), no
+            # buffer donation (the backward runs again on one forward's saved tensors).
+            with torch.enable_grad(), _no_buffer_donation():
                 fresh = function()
             with torch.no_grad():
                 for static, value in zip(outputs, fresh):
@@ -191,6 +197,32 @@ def _parameters_replaced(module: torch.nn.Module, aliases: dict[int, torch.nn.Pa
             owner._parameters[name] = param
 
 
+def _no_buffer_donation():
+    """Within, AOTAutograd lets a compiled backward run again on one forward's saved tensors
+    (it refuses with buffer donation on, by the global setting, even for functions compiled
+    without it: ``compiled.compile_keeping_saved_buffers``). A runner's two backward graphs
+    are captured from one forward; ``_donates_saved_buffers`` keeps one graph otherwise."""
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(donated_buffer=False)
+
+
+def _donates_saved_buffers(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the autograd graph behind ``outputs`` holds a compiled function whose backward
+    donates its saved buffers (one compiled outside a graphed layer's calls and reused)."""
+    seen, stack = set(), [o.grad_fn for o in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        metadata = getattr(getattr(node, "_forward_cls", None), "metadata", None)
+        if getattr(metadata, "bw_donated_idxs", None):
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 class _GraphRunner:
     """A layer's forward graph and its backward graph (two where weight gradients are fused
     into data-parallel buffers) for one input signature. ``forward`` runs the layer on
@@ -198,7 +230,7 @@ class _GraphRunner:
 
     def __init__(self, graphs, forward: Callable, values: Sequence[Any],
                  params: Sequence[torch.nn.Parameter],
-                 aliases: Sequence[torch.nn.Parameter]) -> None:
+                 aliases: Sequence[torch.nn.Parameter], writing_graph: bool = True) -> None:
         self.busy = False
         self.params = list(params)
         self.tensor_positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -242,8 +274,10 @@ class _GraphRunner:
         # first microbatch's, as the eager GEMM does: spares reading the fp32 buffer). They
         # share the pool, as only one runs per microbatch; the first capture keeps the
         # forward's saved tensors alive, so the second cannot place anything on them.
+        # A backward compiled elsewhere with buffer donation can run only once: one graph.
         keep = [p.main_grad for p in self.params if hasattr(p, "main_grad")]
-        two = any(hasattr(a, "main_grad_is_zero") for a in aliases)
+        two = (writing_graph and any(hasattr(a, "main_grad_is_zero") for a in aliases)
+               and not _donates_saved_buffers([o for o in self._live if o.requires_grad]))
         self._backward = {False: graphs.capture(functools.partial(run_backward, False, not two),
                                                 pool, keep=keep)}
         if two and any(self.fused):
@@ -298,6 +332,14 @@ class _GraphRunner:
         return tuple(values)
 
 
+def _has_dropout(layer) -> bool:
+    """Whether ``layer`` drops out in training. Such a layer gets only the adding backward
+    graph: with both, tp 2 with dropout over NCCL drifted from eager (relative 1e-4 from the
+    fourth iteration, H100, cause not found), as with one it does not."""
+    config = getattr(layer, "config", None)
+    return bool(getattr(config, "hidden_dropout", 0) or getattr(config, "attention_dropout", 0))
+
+
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: _GraphRunner, values: list, *tensors):
@@ -350,7 +392,8 @@ class CudaGraphManager:
             return torch.nn.Module.__call__(layer, *args, **kwargs)
         runner = self.runners.get(key)
         if runner is None and self._may_capture(layer):
-            runner = self.runners[key] = self._capture(layer, key, values)
+            with _no_buffer_donation():
+                runner = self.runners[key] = self._capture(layer, key, values)
         if runner is None or runner.busy:
             return torch.nn.Module.__call__(layer, *args, **kwargs)
         tensors = [values[i] for i in runner.tensor_positions]
@@ -388,7 +431,8 @@ class CudaGraphManager:
 
         try:
             return _GraphRunner(self.graphs, forward, values, params,
-                                [aliases[id(p)] for p in params])
+                                [aliases[id(p)] for p in params],
+                                writing_graph=not _has_dropout(layer))
         except RuntimeError as error:
             raise RuntimeError(
                 f"--enable-cuda-graph: capturing transformer layer "
