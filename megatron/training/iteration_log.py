@@ -55,15 +55,16 @@ TIMERS_TO_LOG = (
 
 @dataclasses.dataclass
 class StepReport:
-    """What one iteration produced, as the log needs it. The losses and the loss scale may be
-    device tensors, read (a device synchronization) only where a line or writer uses them."""
+    """What one iteration produced, as the log needs it. The losses, the loss scale and the
+    gradient norm may be device tensors, read (a device synchronization) only where a line or
+    writer uses them."""
 
     loss_dict: dict[str, Union[torch.Tensor, float]]
     skipped: bool
     learning_rate: float
     decoupled_learning_rate: Optional[float]
     loss_scale: Union[torch.Tensor, float]
-    grad_norm: Optional[float]
+    grad_norm: Optional[Union[torch.Tensor, float]]
     num_zeros: Optional[float]
     params_norm: Optional[float]
 
@@ -113,7 +114,7 @@ def step_report(model, optimizer, loss_dict: dict[str, torch.Tensor], skipped: i
         learning_rate=learning_rate if learning_rate is not None else decoupled,
         decoupled_learning_rate=decoupled if args.decoupled_lr is not None else None,
         loss_scale=optimizer.get_loss_scale(),
-        grad_norm=None if grad_norm is None else float(grad_norm),
+        grad_norm=grad_norm,
         num_zeros=num_zeros if args.log_num_zeros_in_grad else None,
         params_norm=calc_params_l2_norm(model) if args.log_params_norm else None)
 
@@ -183,7 +184,7 @@ def format_log_line(args, state: LogState, report: StepReport, iteration: int,
             line += f" {key}: {average:.6E} |"
     line += f" loss scale: {float(report.loss_scale):.1f} |"
     if report.grad_norm is not None:
-        line += f" grad norm: {report.grad_norm:.3f} |"
+        line += f" grad norm: {float(report.grad_norm):.3f} |"
     if report.num_zeros is not None:
         line += f" num zeros: {report.num_zeros} |"
     if report.params_norm is not None:
@@ -211,7 +212,7 @@ def write_training_scalars(args, writer, report: StepReport, iteration: int,
     if args.log_world_size_to_tensorboard:
         writer.add_scalar("world-size", args.world_size, iteration, samples)
     if report.grad_norm is not None:
-        writer.add_scalar("grad-norm", report.grad_norm, iteration, samples)
+        writer.add_scalar("grad-norm", float(report.grad_norm), iteration, samples)
     if report.num_zeros is not None:
         writer.add_scalar("num-zeros", report.num_zeros, iteration, samples)
     if report.params_norm is not None:

@@ -442,6 +442,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     should_exit, exit_code = False, 0
+    optimizer.statistics_on_device = True  # the gradient norm is read where it is logged
     machine = get_rerun_state_machine()
     if machine.state == RerunState.NOT_RUNNING_YET:  # else resumed for a re-run: its own count
         machine.current_iteration = iteration - 1  # its messages number iterations as the log

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import ModelParallelConfig
 from megatron.core.distributed import (
@@ -253,6 +254,57 @@ def test_clipping_inside_fused_adam_matches_clipping_first():
         assert getattr(optimizer.optimizer, "grad_scale", None) is None  # one step only
     # Dividing by 1/coefficient instead of multiplying: a float32 ulp or two.
     assert max_diff(model, master) <= 5e-7
+
+
+@pytest.mark.parametrize("clip_grad", [0.05, 100.0], ids=["clipping", "within-the-bound"])
+def test_a_clip_handed_to_fused_adam_reads_nothing_back_with_statistics_on_device(clip_grad):
+    """The trainer's setting: the norm stays a device tensor and the factor handed to the
+    kernel is computed there, equal to the one computed from a read norm (1 where no clip is
+    needed, which divides exactly); no value is read back during the step."""
+    model, master = Dense(), Dense()
+    ours = ddp(model)
+    optimizer = FP32Optimizer(reference_adamw(model, fused=True),
+                              OptimizerConfig(clip_grad=clip_grad))
+    optimizer.statistics_on_device = True
+    handed, reads = [], []
+    inner_step = optimizer.optimizer.step
+    optimizer.optimizer.step = lambda: (handed.append(optimizer.optimizer.grad_scale),
+                                        inner_step())[1]
+    real_step = optimizer.step
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def step_counting_reads():
+        with Reads():
+            return real_step()
+
+    optimizer.step = step_counting_reads
+    reference = reference_adamw(master)
+    for seed in range(3):
+        success, grad_norm, _ = train_step(ours, optimizer, batches(1, seed=seed))
+        assert reads == [] and isinstance(grad_norm, torch.Tensor) and grad_norm.dim() == 0
+        coefficient = clip_grad / (float(grad_norm) + 1.0e-6)
+        expected = torch.full((), 1.0 / coefficient if coefficient < 1.0 else 1.0)
+        assert torch.equal(handed[-1], expected)
+        reference.zero_grad()
+        loss_of(master, batches(1, seed=seed)[0]).backward()
+        assert float(grad_norm) == pytest.approx(
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip_grad).item(), rel=1e-6)
+        reference.step()
+    assert (coefficient < 1.0) == (clip_grad < 1.0)
+    assert max_diff(model, master) <= 5e-7
+    if clip_grad > 1.0:  # dividing by 1 changes nothing: as the same kernel not clipping
+        unclipped = Dense()
+        plain = ddp(unclipped)
+        optimizer = FP32Optimizer(reference_adamw(unclipped, fused=True),
+                                  OptimizerConfig(clip_grad=0.0))
+        for seed in range(3):
+            train_step(plain, optimizer, batches(1, seed=seed))
+        assert max_diff(model, unclipped) == 0.0
 
 
 def test_grad_stats_skip_shared_params_and_count_zeros():

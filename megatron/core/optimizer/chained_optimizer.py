@@ -11,7 +11,6 @@ also work when the members are plain torch optimizers. A chain can itself be a m
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -60,6 +59,7 @@ class ChainedOptimizer(MegatronOptimizer):
         # No super().__init__(): the members hold the torch optimizers.
         self.chained_optimizers = list(chained_optimizers)
         self.is_stub_optimizer = not self.chained_optimizers
+        self.statistics_on_device = False  # as MegatronOptimizer's
         configs = [getattr(member, "config", None) for member in self.chained_optimizers]
         self.config = configs[0] if configs else None
         for index, config in enumerate(configs):
@@ -102,11 +102,17 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        # Every member's norm is already combined over its own ranks.
-        norms = [member.get_grad_norm() or 0.0 for member in self.chained_optimizers]
-        return math.sqrt(sum(norm * norm for norm in norms))
+        return float(self._grad_norm_on_device())
 
-    def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
+    def _grad_norm_on_device(self) -> torch.Tensor:
+        # Every member's norm is already combined over its own ranks.
+        norms = [member._grad_norm_on_device() for member in self.chained_optimizers]
+        if not norms:
+            return torch.zeros((), dtype=torch.float64, device=default_device())
+        device = norms[0].device
+        return torch.stack([norm.to(device) for norm in norms]).square().sum().sqrt()
+
+    def _clip_to_total_norm(self, clip_grad: float, total_norm: float | torch.Tensor) -> None:
         for member in self.chained_optimizers:
             member._clip_to_total_norm(clip_grad, total_norm)
 
@@ -154,13 +160,15 @@ class ChainedOptimizer(MegatronOptimizer):
             return True, 0.0, 0
         if self.prepare_grads():
             return False, None, None
-        grad_norm = self.get_grad_norm()
+        grad_norm = self._grad_norm_on_device()
         num_zeros = 0
         for member in self.chained_optimizers:
             if member.config.clip_grad > 0.0:
                 member._clip_to_total_norm(member.config.clip_grad, grad_norm)
             if member.config.log_num_zeros_in_grad:
                 num_zeros += member.count_zeros()
+        if not self.statistics_on_device:
+            grad_norm = float(grad_norm)
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
     # ------------------------------------------------------------ the rest of the API

@@ -44,12 +44,14 @@ def _fp32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Ten
     return torch._foreach_norm([tensor.float() for tensor in tensors], norm_type)
 
 
-def get_grad_norm_fp32(
+def grad_norm_fp32_on_device(
     grads_for_norm: torch.Tensor | Sequence[torch.Tensor],
     norm_type: float = 2,
     grad_stats_parallel_group: Any = None,
-) -> float:
-    """The ``norm_type``-norm (2, any p > 0, or inf) of all gradients of all ranks, as fp32."""
+) -> torch.Tensor:
+    """``get_grad_norm_fp32`` left on the device, as a 0-dim float64 tensor: what a clip
+    handed to the optimizer's kernel needs, without waiting for the GPU. The root is taken in
+    float64, as Python takes it of the fp32 sum."""
     grads = _as_list(grads_for_norm)
     group = wrap_group(grad_stats_parallel_group)
     norm_type = float(norm_type)
@@ -62,7 +64,7 @@ def get_grad_norm_fp32(
                  if grads else torch.zeros((), device=device))
         total = local.reshape(1).clone()
         group.all_reduce(total, op=dist.ReduceOp.MAX)
-        return total.item()
+        return total.double().reshape(())
 
     if grads:
         local = torch.stack(_fp32_norms(grads, norm_type)).pow(norm_type).sum()
@@ -70,7 +72,17 @@ def get_grad_norm_fp32(
         local = torch.zeros((), device=device)
     total = local.reshape(1).clone()
     group.all_reduce(total)
-    return total.item() ** (1.0 / norm_type)
+    total = total.double().reshape(())
+    return total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: torch.Tensor | Sequence[torch.Tensor],
+    norm_type: float = 2,
+    grad_stats_parallel_group: Any = None,
+) -> float:
+    """The ``norm_type``-norm (2, any p > 0, or inf) of all gradients of all ranks, as fp32."""
+    return float(grad_norm_fp32_on_device(grads_for_norm, norm_type, grad_stats_parallel_group))
 
 
 def clip_grad_by_total_norm_fp32(

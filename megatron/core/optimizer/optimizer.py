@@ -27,7 +27,7 @@ from megatron.core.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
-    get_grad_norm_fp32,
+    grad_norm_fp32_on_device,
 )
 from megatron.core.optimizer.flat_adam import FlatAdamW, MainLocation
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
@@ -100,6 +100,11 @@ class MegatronOptimizer(ABC):
         self.step_refusal: str | None = None
         self.grad_stats_parallel_group: Any = None
         self.tensor_parallel_group: Any = None
+        self._counted_for_grad_stats: list[torch.Tensor] | None = None
+        # step() reports the gradient norm as a float (upstream's API) or, where True, as a
+        # 0-dim device tensor, read where it is logged: the trainer's choice. With the clip
+        # handed to the step's kernel no value is then read back in a step at all.
+        self.statistics_on_device = False
 
     # ------------------------------------------------------------ groups and params
 
@@ -116,17 +121,31 @@ class MegatronOptimizer(ABC):
         """The tensors the torch optimizer updates (main parameters where they exist)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def _counted_in_grad_stats(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Of ``tensors`` (main parameters), those whose gradients enter the norm and zero
+        count on this rank: found at the first step and kept (the optimizer's parameters and
+        their attributes are fixed by then). Filtering each step cost an attribute lookup per
+        parameter right after the NaN check's synchronization, with the GPU waiting."""
+        if self._counted_for_grad_stats is None:
+            tp_rank = resolve_tensor_parallel_rank(self.tensor_parallel_group)
+            self._counted_for_grad_stats = [t for t in tensors
+                                            if counts_toward_grad_stats(t, tp_rank)]
+        return self._counted_for_grad_stats
+
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
-        tp_rank = resolve_tensor_parallel_rank(self.tensor_parallel_group)
-        return [p.grad for p in self.get_parameters()
-                if p.grad is not None and counts_toward_grad_stats(p, tp_rank)]
+        return [p.grad for p in self._counted_in_grad_stats(self.get_parameters())
+                if p.grad is not None]
 
     # ------------------------------------------------------------ gradient statistics
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
-                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        return float(self._grad_norm_on_device())
+
+    def _grad_norm_on_device(self) -> torch.Tensor:
+        return grad_norm_fp32_on_device(
+            self.get_main_grads_for_grad_norm(),
+            grad_stats_parallel_group=self.get_grad_stats_parallel_group())
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -195,23 +214,30 @@ class MegatronOptimizer(ABC):
             if getattr(self.optimizer, "grad_scale", None) is not None:
                 self.optimizer.grad_scale = None
 
-    def _clip_in_step(self, clip_grad: float) -> float:
-        grad_norm = self.get_grad_norm()
+    def _clip_in_step(self, clip_grad: float) -> float | torch.Tensor:
+        if not self._step_divides_by_grad_scale():
+            grad_norm = self.get_grad_norm()
+            self._clip_in_place(clip_grad, grad_norm)
+            return grad_norm
+        grad_norm = self._grad_norm_on_device()
         self._clip_to_total_norm(clip_grad, grad_norm)
-        return grad_norm
+        return grad_norm if self.statistics_on_device else float(grad_norm)
 
-    def _clip_to_total_norm(self, clip_grad: float, total_norm: float) -> None:
+    def _clip_to_total_norm(self, clip_grad: float, total_norm: float | torch.Tensor) -> None:
         """Clip as ``clip_grad_norm`` does, for a norm already known, before the step; where
         the step divides the gradients by ``grad_scale``, by handing it the factor instead of
-        a pass over them first."""
+        a pass over them first, computed on the device (in float64, as Python computes it
+        from a read norm; a factor of 1 where no clip is needed divides exactly)."""
         if not self._step_divides_by_grad_scale():
-            self._clip_in_place(clip_grad, total_norm)
+            self._clip_in_place(clip_grad, float(total_norm))
             return
-        coefficient = clip_grad / (total_norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
         parameters = self.get_parameters()  # none on a rank whose shard holds no parameter
-        if coefficient < 1.0 and parameters:
-            self.optimizer.grad_scale = torch.full((), 1.0 / coefficient,
-                                                   device=parameters[0].device)
+        if not parameters:
+            return
+        norm = torch.as_tensor(total_norm, dtype=torch.float64, device=parameters[0].device)
+        coefficient = clip_grad / (norm + 1.0e-6)  # as clip_grad_by_total_norm_fp32
+        self.optimizer.grad_scale = torch.where(coefficient < 1.0, coefficient.reciprocal(),
+                                                1.0).float()
 
     def _step_divides_by_grad_scale(self) -> bool:
         """Whether the step divides the gradients by ``self.optimizer.grad_scale`` (torch's
@@ -348,10 +374,12 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self._scale_one = torch.ones(1, dtype=torch.float32, device=device)
         self.flat_adam: FlatAdamW | None = None
+        self._flat_grads_for_norm: list[torch.Tensor] | None = None
 
     def use_flat_adam(self, buffers: Sequence[ParamAndGradBuffer]) -> None:
         """Step with :class:`FlatAdamW` over ``buffers`` (the model chunks' DDP buffers) from
         now on; before the first step."""
+        self._flat_grads_for_norm = None
         self.flat_adam = FlatAdamW(self.optimizer, self._main_locations(buffers),
                                    self._flat_regions(buffers),
                                    exp_avg_dtype=self.config.exp_avg_dtype,
@@ -426,9 +454,11 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         if self.flat_adam is None:
             return super().get_main_grads_for_grad_norm()
-        tp_rank = resolve_tensor_parallel_rank(self.tensor_parallel_group)
-        return [grad for main, grad in self.flat_adam.gradients()
-                if counts_toward_grad_stats(main, tp_rank)]
+        if self._flat_grads_for_norm is None:
+            pairs = self.flat_adam.gradients()
+            counted = {id(main) for main in self._counted_in_grad_stats([m for m, _ in pairs])}
+            self._flat_grads_for_norm = [grad for main, grad in pairs if id(main) in counted]
+        return self._flat_grads_for_norm
 
     def _step_divides_by_grad_scale(self) -> bool:
         if self.flat_adam is None:
