@@ -393,6 +393,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         return {}, 1, should_checkpoint, should_exit, exit_code, None, None
     empty_unused_memory(args, level=1)
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
+    optimizer.statistics_on_device = True  # the gradient norm is read where it is logged
     update_successful, grad_norm, num_zeros = optimizer.step()
     timers("optimizer").stop()
     if update_successful:
@@ -442,7 +443,6 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     should_exit, exit_code = False, 0
-    optimizer.statistics_on_device = True  # the gradient norm is read where it is logged
     machine = get_rerun_state_machine()
     if machine.state == RerunState.NOT_RUNNING_YET:  # else resumed for a re-run: its own count
         machine.current_iteration = iteration - 1  # its messages number iterations as the log
