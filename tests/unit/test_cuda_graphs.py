@@ -11,7 +11,6 @@ import logging
 import pytest
 import torch
 
-from megatron.core.fusions import compiled
 from megatron.core.transformer import cuda_graphs
 from tests.support.gpt_support import batch, build_gpt, small_config
 
@@ -296,16 +295,20 @@ def _main_grad_after_four_microbatches(layer, manager=None) -> torch.Tensor:
     return layer.weight.main_grad
 
 
-@pytest.mark.parametrize("donating", [False, True], ids=["the-tree's-compile", "torch.compile"])
-def test_a_compiled_function_in_a_layer_with_two_backward_graphs_captures(donating):
+def _scaled_gelu(x):
+    return torch.nn.functional.gelu(x) * 2
+
+
+@pytest.mark.parametrize("function,donating", [(_scaled_gelu, False), (_scaled_softmax, True)],
+                         ids=["keeping-its-buffers", "donating"])
+def test_a_compiled_function_in_a_layer_with_two_backward_graphs_captures(function, donating):
     """A runner captures its adding and its writing backward from one forward, which a
-    donating compiled backward forbids (a failed capture over NCCL with dropout). The tree
-    compiles without donation; a function compiled with it gets its layer one backward graph
-    (replays on CPU re-run the forward, so only that choice shows here). Either way
-    ``main_grad`` is as eager's."""
+    donating compiled backward forbids (a failed capture over NCCL with the fused
+    bias-dropout-add): such a function gets its layer one backward graph (replays on CPU
+    re-run the forward, so only that choice shows here). Either way ``main_grad`` is as
+    eager's."""
     torch._dynamo.reset()  # compiled afresh for each case
-    compile_ = torch.compile if donating else compiled.compile_keeping_saved_buffers
-    function = compile_(_scaled_softmax)
+    function = torch.compile(function)
     manager = cuda_graphs.CudaGraphManager(small_config(enable_cuda_graph=True,
                                                         cuda_graph_warmup_steps=1))
     got = _main_grad_after_four_microbatches(_CompiledLayer(function), manager)

@@ -12,13 +12,6 @@ larger than the kernels' launches; where a step makes hundreds of such calls (FP
 per linear) it is host time the GPU can wait on. Here the signature (shapes, strides, dtypes,
 devices, the constants) is the cache key, looked up in a dict, and the call goes straight to the
 generated code, which still asserts its inputs' sizes and strides.
-
-``compile_keeping_saved_buffers``: torch.compile with Inductor, minus AOTAutograd's buffer
-donation (a compiled backward reusing the memory of what its forward saved). Such a backward
-can run once per forward only, and a CUDA-graphed layer captures two backwards from one
-forward (``cuda_graphs``); the tree compiles every autograd function this way, graphs or not,
-so a graphed run computes what an eager one does (the two compiles differed in dropout's
-results on an H100).
 """
 
 from __future__ import annotations
@@ -29,18 +22,6 @@ from typing import Any, Callable
 import torch
 
 
-def _inductor_keeping_saved_buffers(graph: torch.fx.GraphModule, example_inputs):
-    import torch._functorch.config
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch._functorch.config.patch(donated_buffer=False):
-        return compile_fx(graph, example_inputs)
-
-
-def compile_keeping_saved_buffers(fn: Callable) -> Callable:
-    return torch.compile(fn, backend=_inductor_keeping_saved_buffers)
-
-
 def pointwise_fusion(fn: Callable) -> Callable:
     compiled: list[Callable] = []
 
@@ -49,7 +30,7 @@ def pointwise_fusion(fn: Callable) -> Callable:
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return fn(*args)
         if not compiled:
-            compiled.append(compile_keeping_saved_buffers(fn))
+            compiled.append(torch.compile(fn))
         return compiled[0](*args)
 
     run.unfused = fn
@@ -83,7 +64,7 @@ class _SignatureCompiled:
 
     def _dynamic(self, *args):
         if self.dynamic is None:
-            self.dynamic = compile_keeping_saved_buffers(self.fn)
+            self.dynamic = torch.compile(self.fn)
         return self.dynamic(*args)
 
 
@@ -115,5 +96,5 @@ def signature_compiled(fn: Callable, max_signatures: int = _MAX_SIGNATURES) -> C
     try:
         from torch._inductor import standalone_compile  # noqa: F401
     except ImportError:
-        return compile_keeping_saved_buffers(fn)
+        return torch.compile(fn)
     return _SignatureCompiled(fn, max_signatures)

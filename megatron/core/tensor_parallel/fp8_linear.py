@@ -35,7 +35,6 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.core.fusions.compiled import compile_keeping_saved_buffers
 from megatron.core.tensor_parallel import fp8_tensorwise
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -174,4 +173,4 @@ def _fp8_matmul(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool, compiled:
     def fp8_matmul(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return matmul.apply(input_, weight.t(), mm_config, config)
 
-    return compile_keeping_saved_buffers(fp8_matmul) if compiled else fp8_matmul
+    return torch.compile(fp8_matmul) if compiled else fp8_matmul

@@ -26,9 +26,9 @@ What a graph's fixed memory asks of the caller, and how this module answers:
   Such a runner has two backward graphs, one adding into ``main_grad`` and one writing it
   while the buffer is still zero this step, as the eager GEMM chooses per call. Both are
   captured from one forward, which a compiled backward that donates its saved buffers
-  forbids (a failed capture over NCCL with dropout on): the tree compiles without donation
-  (``compile_keeping_saved_buffers``), and a layer holding a function compiled with it gets
-  one backward graph, the adding one, as does a layer with dropout (``_has_dropout``).
+  (AOTAutograd reusing their memory) forbids: a failed capture over NCCL with the fused
+  bias-dropout-add. A layer holding such a function gets one backward graph, the adding
+  one (``_donates_saved_buffers``), as does a layer with dropout (``_has_dropout``).
 * Evaluation, ``torch.no_grad`` and input shapes past ``MAX_RUNNERS_PER_LAYER`` run eagerly.
 * ``delete_cuda_graphs()`` frees every layer's graphs; a run calls it before destroying its
   process groups, which wait forever on an NCCL communicator that live graphs still use
@@ -119,9 +119,7 @@ class RerunGraphs:
                 tensor.copy_(value)
 
         def replay() -> None:
-            # As captured: gradients on (an autograd.Function's forward runs without), no
-            # buffer donation (the backward runs again on one forward's saved tensors).
-            with torch.enable_grad(), _no_buffer_donation():
+            with torch.enable_grad():  # an autograd.Function's forward runs without
                 fresh = function()
             with torch.no_grad():
                 for static, value in zip(outputs, fresh):
@@ -197,19 +195,9 @@ def _parameters_replaced(module: torch.nn.Module, aliases: dict[int, torch.nn.Pa
             owner._parameters[name] = param
 
 
-def _no_buffer_donation():
-    """Within, AOTAutograd lets a compiled backward run again on one forward's saved tensors
-    (it refuses with buffer donation on, by the global setting, even for functions compiled
-    without it: ``compiled.compile_keeping_saved_buffers``). A runner's two backward graphs
-    are captured from one forward; ``_donates_saved_buffers`` keeps one graph otherwise."""
-    import torch._functorch.config
-
-    return torch._functorch.config.patch(donated_buffer=False)
-
-
 def _donates_saved_buffers(outputs: Sequence[torch.Tensor]) -> bool:
     """Whether the autograd graph behind ``outputs`` holds a compiled function whose backward
-    donates its saved buffers (one compiled outside a graphed layer's calls and reused)."""
+    donates its saved buffers (AOTAutograd's default where it can), so it runs once only."""
     seen, stack = set(), [o.grad_fn for o in outputs]
     while stack:
         node = stack.pop()
@@ -274,7 +262,7 @@ class _GraphRunner:
         # first microbatch's, as the eager GEMM does: spares reading the fp32 buffer). They
         # share the pool, as only one runs per microbatch; the first capture keeps the
         # forward's saved tensors alive, so the second cannot place anything on them.
-        # A backward compiled elsewhere with buffer donation can run only once: one graph.
+        # A compiled backward that donates its saved buffers runs once only: one graph.
         keep = [p.main_grad for p in self.params if hasattr(p, "main_grad")]
         two = (writing_graph and any(hasattr(a, "main_grad_is_zero") for a in aliases)
                and not _donates_saved_buffers([o for o in self._live if o.requires_grad]))
@@ -392,8 +380,7 @@ class CudaGraphManager:
             return torch.nn.Module.__call__(layer, *args, **kwargs)
         runner = self.runners.get(key)
         if runner is None and self._may_capture(layer):
-            with _no_buffer_donation():
-                runner = self.runners[key] = self._capture(layer, key, values)
+            runner = self.runners[key] = self._capture(layer, key, values)
         if runner is None or runner.busy:
             return torch.nn.Module.__call__(layer, *args, **kwargs)
         tensors = [values[i] for i in runner.tensor_positions]
