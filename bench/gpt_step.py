@@ -46,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -123,7 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", type=Path,
                         help="write a kernel-time table of one step of each run into this "
                              "folder, with the GPU's busy time and its idle gaps by the kernel "
-                             "that ended each")
+                             "that ended each, by the host operators that launched it and by "
+                             "the host wait (a synchronization) that ended inside the gap")
     parser.add_argument("--microbatches", type=int, default=1,
                         help="micro-batches per step of the trainer rows (default 1; the "
                              "other rows step after each)")
@@ -282,6 +284,48 @@ def busy_and_idle(kernels: list[tuple[float, float, str]]) -> tuple[float, dict]
     return busy, idle
 
 
+# The runtime calls in which the host waits for the GPU.
+HOST_WAITS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy")
+
+
+def idle_after_waits(kernels: list[tuple[float, float, str]],
+                     waits: list[tuple[float, str]]) -> dict[str, list[float]]:
+    """The GPU's idle gaps over ``IDLE_GAP_US`` (``kernels`` as ``busy_and_idle`` takes them)
+    in which a host wait ended (``waits``: its end and a label, microseconds), by that wait's
+    label: the host drained the queue there and the GPU then waited for the next launch. The
+    rest are ``"(no wait: the host was late)"``."""
+    ends = sorted(waits)
+    idle: dict[str, list[float]] = {}
+    reach = -math.inf
+    for begin, end, _ in kernels:
+        if reach > -math.inf and begin - reach > IDLE_GAP_US:
+            ended = [label for at, label in ends if reach < at <= begin]
+            label = ended[-1] if ended else "(no wait: the host was late)"
+            idle.setdefault(label, []).append(begin - reach)
+        reach = max(reach, end)
+    return idle
+
+
+def host_context(event) -> str:
+    """``outermost > innermost`` host operator names around a profiled host event (the
+    profiler's step marker left out)."""
+    chain = []
+    while event is not None:
+        if not event.name.startswith("ProfilerStep"):
+            chain.append(event.name)
+        event = event.cpu_parent
+    if not chain:
+        return "(python)"
+    return chain[-1][:45] if len(chain) == 1 else f"{chain[-1][:45]} > {chain[0][:30]}"
+
+
+def gap_table(title: str, idle: dict[str, list[float]], rows: int = 15) -> list[str]:
+    gaps = sorted(idle.items(), key=lambda item: -sum(item[1]))
+    return [title, *(f"  {sum(times) / 1e3:8.2f} ms in {len(times):4d} gaps: {name}"
+                     for name, times in gaps[:rows])]
+
+
 def write_profile(args, torch, run) -> None:
     """Kernel tables of ``run`` (one or more steps), how much of its wall time the GPU was
     busy (where kernels wait on the host, busy time falls short of the wall), and where it
@@ -297,24 +341,33 @@ def write_profile(args, torch, run) -> None:
         wall = time.perf_counter() - start
     # Kernels and copies only: a compiled graph's annotation spans its kernels and the gaps
     # between them.
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA
-                     and not getattr(e, "is_user_annotation", False))
+    events = prof.events()
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False)]
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in device)
     busy, idle = busy_and_idle(kernels)
+    # Which host work launched the kernel that ended each gap, and which host waits (a read
+    # of a value, a synchronization) ended inside one.
+    # (Operators have no linked id; the runtime's calls, a launch or a wait, link to one.)
+    on_host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    operators = {e.id: e for e in on_host if not e.linked_correlation_id}
+    launched = sorted((e.time_range.start, e.time_range.end,
+                       host_context(operators.get(e.linked_correlation_id))) for e in device)
+    waits = [(e.time_range.end, host_context(e.cpu_parent) if e.cpu_parent else e.name)
+             for e in on_host if e.name in HOST_WAITS]
     # Host time spent waiting for the GPU: what is left of the wall is the host's own work
     # (profiled, so inflated); where it nears the wall, the step is host-bound.
     averages = prof.key_averages()
-    waited = sum(e.self_cpu_time_total for e in averages
-                 if e.key in ("cudaDeviceSynchronize", "cudaStreamSynchronize",
-                              "cudaEventSynchronize", "cudaMemcpy"))
-    gaps = sorted(idle.items(), key=lambda item: -sum(item[1]))
+    waited = sum(e.self_cpu_time_total for e in averages if e.key in HOST_WAITS)
     tables = [f"wall {wall * 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms, {len(kernels)} kernels, "
               f"host waiting on the GPU {waited / 1e3:.1f} ms",
-              f"GPU idle in gaps over {IDLE_GAP_US} us: "
-              f"{sum(map(sum, idle.values())) / 1e3:.1f} ms; by the kernel that ended them "
-              "(where the host was late):",
-              *(f"  {sum(times) / 1e3:8.2f} ms in {len(times):4d} gaps before {name}"
-                for name, times in gaps[:15]),
+              *gap_table(f"GPU idle in gaps over {IDLE_GAP_US} us: "
+                         f"{sum(map(sum, idle.values())) / 1e3:.1f} ms; by the kernel that "
+                         "ended them (where the host was late):", idle),
+              *gap_table("The same gaps by the host operators that launched that kernel:",
+                         busy_and_idle(launched)[1]),
+              *gap_table("The same gaps by the host wait that ended inside them (the host "
+                         "operators around the wait):", idle_after_waits(kernels, waits)),
               averages.table(sort_by="self_cuda_time_total", row_limit=40),
               averages.table(sort_by="self_cpu_time_total", row_limit=30)]
     (args.profile / f"{args.worker.replace(':', '_')}.txt").write_text("\n".join(tables))
@@ -362,10 +415,16 @@ def variable_length_batches(args, generator, multiple: int, count: int) -> list[
                     multiple_of=multiple, max_length=args.seq_length) for _ in range(count)]
 
 
-def start_trainer(args, flags: list[str], port: str = "29533"):
+def start_trainer(args, flags: list[str], port: str | None = None):
     """pretrain_gpt.py's model, optimizer, scheduler and step config for the bench's shape,
     in this process as rank 0 of 1 (its timers pretrain's: at the default
-    --timing-log-level 0 the step's finer timers, which synchronize the device, do nothing)."""
+    --timing-log-level 0 the step's finer timers, which synchronize the device, do nothing).
+    Its rendezvous store listens on ``port``, by default one free a moment ago (two benches
+    at once, or a bench beside the tests, must not meet on a fixed one)."""
+    if port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     sys.path.insert(0, str(REPO))

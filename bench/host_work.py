@@ -119,7 +119,7 @@ def trainer_counts(args, tally: _Tally) -> tuple[Counter, Counter, Counter]:
     shape_args = argparse.Namespace(**vars(args), micro_batch_size=1, microbatches=1,
                                     warmup=2)
     model, optimizer, scheduler, config = gpt_step.start_trainer(
-        shape_args, [], port=os.environ.get("MASTER_PORT", "29541"))
+        shape_args, [], port=os.environ.get("MASTER_PORT"))
     batch = gpt_step.full_length_batch(shape_args, torch.Generator().manual_seed(1))
 
     def batches():

@@ -1,4 +1,5 @@
-"""Suite-wide collection rules, and the triton install that several tests share."""
+"""Suite-wide collection rules, the triton install that several tests share, and a fresh
+rerun state machine for each test."""
 
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ def triton_dir(tmp_path_factory):
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(wheels, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rerun_state_machine():
+    """Each test starts with no process-wide rerun state machine: one a test left behind (an
+    optimizer step tells it that steps judge its deferred checks) would change the next's."""
+    yield
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    destroy_rerun_state_machine()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,10 +9,16 @@ the mode:
     The result is checked once; a rejected fatal result raises ``RuntimeError`` naming the
     rank, the iteration and the check, a non-fatal one is logged. Within the iteration loop a
     check whose verdict is a tensor (``torch.isnan`` of a loss on the GPU) is judged with the
-    iteration's others in one read (``check_deferred_results``, called at the end of a
-    forward-backward schedule, by the data-parallel gradient NaN check and by
-    ``should_run_forward_backward``), before any optimizer step: a read per check emptied the
-    GPU's queue each time (once per microbatch). Outside the loop a check is judged at once.
+    iteration's others in one read (``rerun.deferred_checks``): a read per check emptied the
+    GPU's queue each time (once per microbatch). They are settled at the end of a
+    forward-backward schedule, at the data-parallel gradient NaN check and in
+    ``should_run_forward_backward``: judged there until an optimizer step has judged them
+    around its update (``judge_deferred_results_at_update``, which every step of this tree's
+    optimizers calls), staged only from then on. The step reads them before its update, or,
+    where the update takes a device flag (torch's fused Adam), hands it the fatal verdicts and
+    reads them after the update is queued: a rejected update leaves parameters and state
+    unchanged and the check raises in the same iteration. Outside the loop a check is judged
+    at once.
 ``validate_results``
     The whole iteration runs again on the same device with the same data and random states.
     A different result there is a transient fault (exit code 17, or training goes on for a
@@ -56,6 +62,7 @@ import torch.distributed as dist
 
 # Upstream's module defines these two: code imports them from here.
 from megatron.core.rerun.data_iterator import RerunDataIterator
+from megatron.core.rerun.deferred_checks import DeferredChecks
 from megatron.core.rerun.quick_stats import QuickStats  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -223,7 +230,10 @@ class RerunStateMachine:
         self.max_values: dict[str, float] = {}
         self.saved_results: dict[Call, Any] = {}
         self.stats: dict[Caller, QuickStats] = defaultdict(QuickStats)
-        self._deferred: list[tuple[torch.Tensor, Any, str, bool]] = []
+        self._deferred = DeferredChecks()
+        # Set by an optimizer step that judges the deferred checks around its update (see
+        # ``judge_deferred_results_at_update``): from then on the earlier points only stage them.
+        self.deferred_results_judged_at_update = False
         # Upstream's line; a warning only where the machine does more than check once.
         _log_rank0(logging.INFO if self.mode == RerunMode.DISABLED else logging.WARNING,
                    f"RerunStateMachine initialized in mode {self.mode}")
@@ -239,7 +249,7 @@ class RerunStateMachine:
     def should_run_forward_backward(self, data_iterator: DataIteratorArgType) -> bool:
         """Whether to run the iteration's forward and backward passes (again): the condition
         of a ``while`` loop around them, with the iteration's data iterator(s)."""
-        self.check_deferred_results()
+        self.settle_deferred_results()
         self.validation_counts = defaultdict(int)
         iterators = self._rerun_iterators(data_iterator)
         if self.state == RerunState.NOT_RUNNING_YET:
@@ -399,24 +409,41 @@ class RerunStateMachine:
             logger.error(f"could not append to {self.result_rejected_tracker_filename}: {error}")
 
     def check_deferred_results(self) -> None:
-        """Judge the checks deferred since the last call, in the order they were made, with
-        one read of their verdicts (see the module's ``disabled``)."""
-        if not self._deferred:
-            return
-        deferred, self._deferred = self._deferred, []
-        device = deferred[0][0].device
-        verdicts = torch.stack([rejected.reshape(()).to(device=device, dtype=torch.bool)
-                                for rejected, *_ in deferred])
-        if not verdicts.any():
-            return
-        for verdict, (_, result, message, fatal) in zip(verdicts.tolist(), deferred):
-            if verdict:
-                self._report_rejection(result, message, fatal)
+        """Judge the checks deferred so far, in the order they were made, with one read of
+        their verdicts (see the module's ``disabled``)."""
+        for check in self._deferred.take():
+            self._report_rejection(check.result, check.message, check.fatal)
+
+    def settle_deferred_results(self) -> None:
+        """Where the deferred checks must be settled before going on (the end of a schedule,
+        before a data-parallel reduction, between runs of an iteration): judged now, or only
+        staged (their verdicts' copy to the host started) once an optimizer step judges them
+        around its update."""
+        if self.deferred_results_judged_at_update:
+            self._deferred.stage()
+        else:
+            self.check_deferred_results()
+
+    def judge_deferred_results_at_update(self, update: Callable[[Optional[torch.Tensor]], bool],
+                                         skips_on_device: bool) -> bool:
+        """Run an optimizer's ``update`` with the deferred checks judged around it: before it,
+        or, where it ``skips_on_device`` (it takes a ``found_inf`` flag: torch's fused Adam
+        leaves parameters and state unchanged where the flag is 1), after it is queued, the
+        flag set where a fatal check rejected its result. There the host waits for the
+        verdicts' copy only, while the device runs the update. A rejected fatal check raises
+        either way, before the update could take effect. Returns ``update``'s result."""
+        self.deferred_results_judged_at_update = True
+        flag = self._deferred.rejection() if skips_on_device else None
+        if flag is None:
+            self.check_deferred_results()
+        result = update(flag)
+        self.check_deferred_results()
+        return result
 
     def _check_once(self, result: Any, rejection_func, message: str, fatal: bool) -> None:
         rejected = rejection_func(result)
         if isinstance(rejected, torch.Tensor) and self.state == RerunState.INITIAL_RUN:
-            self._deferred.append((rejected.detach(), result, message, fatal))
+            self._deferred.add(rejected, result, message, fatal)
         elif rejected:
             self._report_rejection(result, message, fatal)
 

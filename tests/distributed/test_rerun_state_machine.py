@@ -152,3 +152,12 @@ def test_a_real_nan_reproduces_and_is_diagnosed_as_what_the_input_gives(data, tm
     assert code == FAILED, output[-3000:]
     assert "Correct result (but possible Application error) (found NaN in local forward loss " \
            "calculation (look at the batch this rank read and at the learning rate" in output
+
+
+def test_disabled_a_real_nan_stops_the_job_in_its_iteration_naming_the_loss(data):
+    """``--rerun-mode disabled`` (the default): the NaN loss of the second iteration is judged
+    in that iteration's optimizer step (its checks deferred until then), before the update."""
+    code, output = _job(data, 1, "--lr", "1e12", "--lr-warmup-iters", "0", "--clip-grad", "0")
+    assert code != 0, output[-3000:]
+    assert re.search(r"Rank 0, node \S+, device -1, iteration 2: Unexpected result nan "
+                     r"\(message='found NaN in local forward loss", output), output[-3000:]

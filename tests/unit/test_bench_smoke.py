@@ -140,3 +140,32 @@ def test_the_profile_counts_busy_time_once_and_idle_gaps_by_the_kernel_after_the
     busy, idle = gpt_step.busy_and_idle(kernels)
     assert busy == 12.0 + 10.0 + 5.0 + 9.0 + 1.0
     assert idle == {"adam": [88.0, 60.0]}  # the 13 us gap is a launch's latency, not idle
+
+
+def test_the_profile_names_the_host_wait_that_ended_inside_each_gap():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpt_step
+
+    kernels = [(0.0, 10.0, "gemm"), (100.0, 110.0, "adam"), (125.0, 130.0, "adam"),
+               (300.0, 310.0, "embedding")]
+    waits = [(50.0, "step > aten::_local_scalar_dense"), (120.0, "inside a short gap"),
+             (400.0, "after the last kernel")]
+    assert gpt_step.idle_after_waits(kernels, waits) == {
+        "step > aten::_local_scalar_dense": [90.0],
+        "(no wait: the host was late)": [170.0]}
+
+
+def test_the_host_context_of_a_profiled_event_runs_outermost_to_innermost():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpt_step
+
+    class Event:
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+
+    step = Event("ProfilerStep#3")
+    optimizer = Event("Optimizer.step#AdamW.step", step)
+    assert gpt_step.host_context(Event("aten::_fused_adamw_", optimizer)) == \
+        "Optimizer.step#AdamW.step > aten::_fused_adamw_"
+    assert gpt_step.host_context(optimizer) == "Optimizer.step#AdamW.step"
+    assert gpt_step.host_context(None) == "(python)"

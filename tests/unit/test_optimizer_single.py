@@ -31,6 +31,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32
 from megatron.core.optimizer.fused_kernels import init_adam_state
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 LR, WD = 1e-2, 0.1
 
@@ -305,6 +306,88 @@ def test_a_clip_handed_to_fused_adam_reads_nothing_back_with_statistics_on_devic
         for seed in range(3):
             train_step(plain, optimizer, batches(1, seed=seed))
         assert max_diff(model, unclipped) == 0.0
+
+
+class _Timeline(TorchDispatchMode):
+    """Records the host reads of a value (a synchronization on a GPU) among other events."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.events.append("read")
+        return func(*args, **(kwargs or {}))
+
+
+def _iteration_judged_at_update(model, optimizer, seed: int, nan_loss: bool, events: list,
+                                device: str):
+    """One iteration inside the rerun machine's loop (mode ``disabled``), a loss check
+    deferred as pretrain_gpt's, the buckets' NaN check on; the events of the step recorded."""
+    machine = get_rerun_state_machine()
+    assert machine.should_run_forward_backward(None)
+    loss = torch.tensor(float("nan") if nan_loss else 1.0, device=device)
+    machine.validate_result(result=loss, rejection_func=torch.isnan, fatal=True,
+                            message="found NaN in local forward loss")
+    with _Timeline(events):
+        train_step(model, optimizer,
+                   [tuple(t.to(device) for t in batch) for batch in batches(1, seed=seed)])
+        assert not machine.should_run_forward_backward(None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_the_steps_update_judges_the_iterations_deferred_checks(fused, device):
+    """Once an optimizer step has judged the deferred checks (a NaN loss, the buckets' NaN
+    gradients), the schedule's end and the buckets' check no longer read their verdicts: the
+    step does, with one read. Fused Adam gets the verdict as ``found_inf`` and is read after
+    its update is queued (on a GPU the host then waits for the backward pass, not the update);
+    a NaN leaves the parameters and Adam's state as they were, and raises naming the check.
+    Without a device flag (foreach Adam) the verdicts are read before the update. On a GPU
+    the read is of their pinned copy, after the event that follows it."""
+    model, master = Dense().to(device), Dense()
+    ours = ddp(model, check_for_nan_in_grad=True)
+    optimizer = FP32Optimizer(reference_adamw(model, fused=fused), OptimizerConfig(clip_grad=1.0))
+    optimizer.statistics_on_device = True  # as the trainer's step: the norm is read when logged
+    reference = reference_adamw(master)
+    events, handed = [], []
+    inner_step = optimizer.optimizer.step
+
+    def update():
+        handed.append(getattr(optimizer.optimizer, "found_inf", None))
+        events.append("update")
+        return inner_step()
+
+    optimizer.optimizer.step = update
+    for seed in range(3):
+        events.clear()
+        _iteration_judged_at_update(ours, optimizer, seed, False, events, device)
+        reference.zero_grad()
+        loss_of(master, batches(1, seed=seed)[0]).backward()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        reference.step()
+        if seed == 0:
+            continue  # the first step judged them at the buckets' check, before it said so
+        if fused:  # one read, after the update (foreach Adam reads its norm and step counts)
+            assert events == ["update", "read"] and handed[-1].item() == 0.0
+        else:
+            assert handed[-1] is None
+    assert max_diff(copy.deepcopy(model).cpu(), master) <= 5e-7
+    before = copy.deepcopy((list(model.parameters()), optimizer.optimizer.state_dict()))
+    events.clear()
+    with pytest.raises(RuntimeError, match="Rank 0, .*Unexpected result nan .*found NaN in "
+                                           "local forward loss"):
+        _iteration_judged_at_update(ours, optimizer, 3, True, events, device)
+    # (the message's value is one more read)
+    assert events[:2] == ["update", "read"] if fused else "update" not in events
+    if fused:
+        assert handed[-1].item() == 1.0
+    after = (list(model.parameters()), optimizer.optimizer.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    for kept, now in zip(before[1]["state"].values(), after[1]["state"].values()):
+        assert all(torch.equal(kept[key], now[key]) for key in kept)
+    assert getattr(optimizer.optimizer, "found_inf", None) is None  # one step only
 
 
 def test_grad_stats_skip_shared_params_and_count_zeros():

@@ -67,6 +67,40 @@ def test_disabled_checks_once_fatal_raises_naming_the_check_and_non_fatal_logs(c
     assert "Unexpected result nan" in caplog.text
 
 
+def test_an_update_judging_the_checks_gets_the_fatal_verdicts_as_a_device_flag(caplog):
+    """Where an optimizer's update judges the deferred checks: the loop's own points only
+    stage them; the update gets 1.0 where a fatal check rejected its result (a rejected
+    non-fatal one sets nothing and is logged), and they are judged after it, in order."""
+    machine = RerunStateMachine()
+    flags = []
+
+    def update(flag):
+        flags.append(flag)
+        return "stepped"
+
+    def iteration(results):
+        assert machine.should_run_forward_backward(None)
+        for value, fatal in results:
+            machine.validate_result(torch.tensor(value), torch.isnan, f"check {value}",
+                                    fatal=fatal)
+        assert not machine.should_run_forward_backward(None)  # staged, not judged
+        return machine.judge_deferred_results_at_update(update, skips_on_device=True)
+
+    # Until an update has said it judges them, the loop judges them itself.
+    assert iteration([(0.0, True)]) == "stepped" and flags[-1] is None
+    assert iteration([(1.0, True)]) == "stepped" and torch.equal(flags[-1], torch.tensor(0.0))
+    with caplog.at_level(logging.WARNING):
+        assert iteration([(NAN, False), (2.0, True)]) == "stepped"
+    assert torch.equal(flags[-1], torch.tensor(0.0)) and "check nan" in caplog.text
+    assert iteration([(3.0, False)]) == "stepped" and flags[-1] is None  # no fatal check
+    with pytest.raises(RuntimeError, match="iteration 5: .*check nan"):
+        iteration([(4.0, True), (NAN, True)])
+    assert torch.equal(flags[-1], torch.tensor(1.0))
+    # Nothing is left pending; an update without a device flag is judged before.
+    assert machine.judge_deferred_results_at_update(update, skips_on_device=False) == "stepped"
+    assert flags[-1] is None
+
+
 def test_the_first_iteration_is_checked_but_never_re_run():
     machine = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
     with pytest.raises(RuntimeError, match="the check"):

@@ -133,7 +133,10 @@ class BucketGroup:
                         f"pass produced it (look at the batch it read and at the learning "
                         f"rate; check_for_nan_in_grad=True, --no-check-for-nan-in-loss-and-grad "
                         f"turns the check off)")
-        machine.check_deferred_results()  # before the reduction spreads a NaN to every rank
+        # Judged here, before the reduction spreads a NaN to every rank, until an optimizer step
+        # judges the checks around its update: then this rank's update does not take effect
+        # and the check raises after it, naming this rank as here.
+        machine.settle_deferred_results()
 
     def check_accepts_gradients(self) -> None:
         """Raise if gradients would be added to buckets whose reduction already started."""

@@ -18,6 +18,7 @@ import torch
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer.grad_scaler import default_device
 from megatron.core.optimizer.optimizer import MainParamPiece, MegatronOptimizer
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 
 class ProxyDict:
@@ -144,13 +145,16 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        return self._step_inner()
+
+    def _step_inner(self, found_inf: torch.Tensor | None = None) -> bool:
         success = True
         for member in self.chained_optimizers:
-            success = member._step_inner() and success
+            success = member._step_inner(found_inf) and success
         return success
 
-    def _step_inner(self) -> bool:
-        return self.step_with_ready_grads()
+    def _update_skips_on_device(self) -> bool:
+        return all(member._update_skips_on_device() for member in self.chained_optimizers)
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
@@ -158,7 +162,9 @@ class ChainedOptimizer(MegatronOptimizer):
         member clips (with its own ``clip_grad``) and counts zeros as its config says."""
         if self.is_stub_optimizer:
             return True, 0.0, 0
+        machine = get_rerun_state_machine()
         if self.prepare_grads():
+            machine.check_deferred_results()  # nothing changes, yet judged
             return False, None, None
         grad_norm = self._grad_norm_on_device()
         num_zeros = 0
@@ -169,7 +175,9 @@ class ChainedOptimizer(MegatronOptimizer):
                 num_zeros += member.count_zeros()
         if not self.statistics_on_device:
             grad_norm = float(grad_norm)
-        return self.step_with_ready_grads(), grad_norm, num_zeros
+        success = machine.judge_deferred_results_at_update(self._step_inner,
+                                                           self._update_skips_on_device())
+        return success, grad_norm, num_zeros
 
     # ------------------------------------------------------------ the rest of the API
 

@@ -40,6 +40,7 @@ from megatron.core.optimizer.param_attributes import (
 from megatron.core.optimizer.sharded_state import (
     optimizer_sharded_state_dict, restore_common_step,
 )
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -193,6 +194,7 @@ class MegatronOptimizer(ABC):
         with timed_phase(self.config, "optimizer-copy-to-main-grad"):
             found_inf = self.prepare_grads()
         if found_inf:
+            get_rerun_state_machine().check_deferred_results()  # nothing changes, yet judged
             return False, None, None
         grad_norm = self._empty_statistic()
         if self.config.clip_grad > 0.0:
@@ -203,16 +205,26 @@ class MegatronOptimizer(ABC):
             with timed_phase(self.config, "optimizer-count-zeros"):
                 num_zeros = self.count_zeros()
         with timed_phase(self.config, "optimizer-inner-step"):
-            success = self._step_inner()
+            success = get_rerun_state_machine().judge_deferred_results_at_update(
+                self._step_inner, self._update_skips_on_device())
         return success, grad_norm, num_zeros
 
-    def _step_inner(self) -> bool:
-        """``step_with_ready_grads``, then forget a clip factor handed to fused Adam."""
+    def _step_inner(self, found_inf: torch.Tensor | None = None) -> bool:
+        """``step_with_ready_grads``, handing fused Adam ``found_inf`` where given (1 skips the
+        update on the device), then forgetting it and any clip factor handed to it."""
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
         try:
             return self.step_with_ready_grads()
         finally:
-            if getattr(self.optimizer, "grad_scale", None) is not None:
-                self.optimizer.grad_scale = None
+            for handed in ("grad_scale", "found_inf"):
+                if getattr(self.optimizer, handed, None) is not None:
+                    setattr(self.optimizer, handed, None)
+
+    def _update_skips_on_device(self) -> bool:
+        """Whether the update can be skipped by a device flag (``found_inf``, which torch's
+        fused optimizers read, as for a gradient scaler) instead of a decision on the host."""
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
 
     def _clip_in_step(self, clip_grad: float) -> float | torch.Tensor:
         if not self._step_divides_by_grad_scale():
@@ -459,6 +471,11 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             counted = {id(main) for main in self._counted_in_grad_stats([m for m, _ in pairs])}
             self._flat_grads_for_norm = [grad for main, grad in pairs if id(main) in counted]
         return self._flat_grads_for_norm
+
+    def _update_skips_on_device(self) -> bool:
+        # The flat Adam's kernel takes no flag: its few launches are queued right after the
+        # verdicts are read, while the device computes the gradient norm.
+        return self.flat_adam is None and super()._update_skips_on_device()
 
     def _step_divides_by_grad_scale(self) -> bool:
         if self.flat_adam is None:

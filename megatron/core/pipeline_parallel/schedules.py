@@ -133,7 +133,7 @@ def _run(*, forward_step_func, data_iterators, model_chunks, num_microbatches, s
         trace=trace)
     with weights_unchanged():  # no weight changes between a call's microbatches
         result = PlanExecutor(run).execute()
-    get_rerun_state_machine().check_deferred_results()  # what the microbatches deferred
+    get_rerun_state_machine().settle_deferred_results()  # what the microbatches deferred
     if timers is not None:
         timers("forward-backward").stop()
     return result
