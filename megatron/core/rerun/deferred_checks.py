@@ -40,9 +40,6 @@ class DeferredChecks:
         self._unstaged: list[DeferredCheck] = []
         self._staged: list[_Staged] = []
 
-    def __bool__(self) -> bool:
-        return bool(self._unstaged or self._staged)
-
     def add(self, rejected: torch.Tensor, result: Any, message: str, fatal: bool) -> None:
         self._unstaged.append(DeferredCheck(rejected.detach(), result, message, fatal))
 
