@@ -348,15 +348,19 @@ def write_profile(args, torch, run) -> None:
     busy, idle = busy_and_idle(kernels)
     # Which host work launched the kernel that ended each gap, and which host waits (a read
     # of a value, a synchronization) ended inside one.
-    # (Operators have no linked id; the runtime's calls, a launch or a wait, link to one. The
-    # profiler's events carry the link from torch 2.12 on.)
+    # A kernel's record links to the host operator that launched it (the profiler's own
+    # records: its summary events carry the link only from torch 2.12 on); the runtime's
+    # calls, a launch or a wait, link to one too, operators to none.
+    records = prof.profiler.kineto_results.events()
+    links = {record.correlation_id(): record.linked_correlation_id() for record in records
+             if record.device_type() == torch.autograd.DeviceType.CUDA}
+    runtime = {(record.correlation_id(), record.name()) for record in records
+               if record.device_type() == torch.autograd.DeviceType.CPU
+               and record.linked_correlation_id() > 0}
     on_host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    linked = lambda e: getattr(e, "linked_correlation_id", None)  # noqa: E731
-    operators = {e.id: e for e in on_host if not linked(e)}
+    operators = {e.id: e for e in on_host if (e.id, e.name) not in runtime}
     launched = sorted((e.time_range.start, e.time_range.end,
-                       host_context(operators.get(linked(e))) if linked(e) is not None
-                       else "(this torch's profiler links no kernel to its operator)")
-                      for e in device)
+                       host_context(operators.get(links.get(e.id)))) for e in device)
     waits = [(e.time_range.end, host_context(e.cpu_parent) if e.cpu_parent else e.name)
              for e in on_host if e.name in HOST_WAITS]
     # Host time spent waiting for the GPU: what is left of the wall is the host's own work
