@@ -121,11 +121,12 @@ def test_gpt_step_trainer_rows_run_on_the_cpu():
     micro-batches per step."""
     pytest.importorskip("torchao.float8")
     output = run_bench("gpt_step.py", "--impls",
-                       "trainer,trainer-flat-fp16-state,trainer-flat-lean,trainer-fp8",
-                       "--microbatches", "2")
+                       "trainer,trainer-flat-fp16-state,trainer-flat-lean,trainer-fp8,"
+                       "trainer-fp8-lean", "--microbatches", "2")
     assert "FAILED" not in output, output
     assert "(2 per trainer step)" in output, output
-    for row in ("trainer", "trainer-flat-fp16-state", "trainer-flat-lean", "trainer-fp8"):
+    for row in ("trainer", "trainer-flat-fp16-state", "trainer-flat-lean", "trainer-fp8",
+                "trainer-fp8-lean"):
         assert re.search(rf"^{row}:eager +[\d.]+ ms/step", output, re.MULTILINE), output
     assert re.search(r"^trainer-fp8/trainer tokens/s = \d+\.\d{3} \(target >= 1\.10", output,
                      re.MULTILINE), output
