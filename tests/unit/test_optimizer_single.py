@@ -257,6 +257,19 @@ def test_clipping_inside_fused_adam_matches_clipping_first():
     assert max_diff(model, master) <= 5e-7
 
 
+class _Timeline(TorchDispatchMode):
+    """Records the host reads of a value (a synchronization on a GPU) among other events."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.events.append("read")
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("clip_grad", [0.05, 100.0], ids=["clipping", "within-the-bound"])
 def test_a_clip_handed_to_fused_adam_reads_nothing_back_with_statistics_on_device(clip_grad):
     """The trainer's setting: the norm stays a device tensor and the factor handed to the
@@ -273,14 +286,8 @@ def test_a_clip_handed_to_fused_adam_reads_nothing_back_with_statistics_on_devic
                                         inner_step())[1]
     real_step = optimizer.step
 
-    class Reads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                reads.append(func)
-            return func(*args, **(kwargs or {}))
-
     def step_counting_reads():
-        with Reads():
+        with _Timeline(reads):
             return real_step()
 
     optimizer.step = step_counting_reads
@@ -306,19 +313,6 @@ def test_a_clip_handed_to_fused_adam_reads_nothing_back_with_statistics_on_devic
         for seed in range(3):
             train_step(plain, optimizer, batches(1, seed=seed))
         assert max_diff(model, unclipped) == 0.0
-
-
-class _Timeline(TorchDispatchMode):
-    """Records the host reads of a value (a synchronization on a GPU) among other events."""
-
-    def __init__(self, events: list):
-        super().__init__()
-        self.events = events
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.events.append("read")
-        return func(*args, **(kwargs or {}))
 
 
 def _iteration_judged_at_update(model, optimizer, seed: int, nan_loss: bool, events: list,
