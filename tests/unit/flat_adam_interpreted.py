@@ -2,8 +2,8 @@
 
 Run by ``test_flat_adam.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` and a triton
 install on ``PYTHONPATH``. Both sides get the same random gradients (and a gradient scale) for
-four steps, plain and sharded over the buckets, for bf16 and fp16 weights, with fp32 moments
-and with scaled fp16 ones; prints one line per case and exits 1 on a mismatch. The
+four steps (one skipped by ``found_inf``), plain and sharded over the buckets, for bf16 and
+fp16 weights, with fp32 moments and with scaled fp16 ones; prints one line per case and exits 1 on a mismatch. The
 interpreter truncates fp32 to half precision where GPUs round, so the written weights and
 scaled moments are held to one step of their precision rather than to equality. Its fp8
 conversion does not carry a rounded-up mantissa into the exponent (127.9 becomes 64, seen
@@ -32,12 +32,15 @@ FP8_FP16 = (torch.uint8, torch.float16)
 # so both of the kernel's launches run.
 BLOCK_SIZE = 16
 STEPS = 4
+# Per step, the flag handed as found_inf: none, 0, and a skipped step (1) in between.
+FOUND_INF = [None, torch.zeros(1), torch.ones(1), torch.zeros(1)]
 
 
 def run(distributed: bool, kernel: bool, device: str = "cpu", dtype=torch.bfloat16,
         moments=FP32, lean=False):
-    """Four steps of the flat Adam on the same random gradients (scaled by 2), with the Triton
-    kernel or with the torch arithmetic; ``lean``: bf16 gradients and fp16 main parameters."""
+    """Four steps of the flat Adam on the same random gradients (scaled by 2), the third
+    skipped by its ``found_inf``, with the Triton kernel or with the torch arithmetic;
+    ``lean``: bf16 gradients and fp16 main parameters."""
     _, optimizer = build(True, dtype, distributed=distributed, device=device, moments=moments,
                          main_grads=torch.bfloat16 if lean else torch.float32,
                          main_params=torch.float16 if lean else torch.float32)
@@ -46,10 +49,12 @@ def run(distributed: bool, kernel: bool, device: str = "cpu", dtype=torch.bfloat
     flat.block_size = BLOCK_SIZE
     flat._build_chunks()
     generator = torch.Generator().manual_seed(0)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         for region in flat.regions:
             region.grad.copy_(torch.randn(region.grad.shape, generator=generator))
-        flat.step(torch.tensor(2.0, device=device))
+        found_inf = FOUND_INF[step]
+        flat.step(torch.tensor(2.0, device=device),
+                  None if found_inf is None else found_inf.to(device))
     return flat
 
 

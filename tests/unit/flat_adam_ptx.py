@@ -28,7 +28,8 @@ def main() -> int:
                 "exp_avg_ptr": POINTER[exp_avg], "exp_avg_sq_ptr": POINTER[exp_avg_sq],
                 "model_ptr": "*bf16", "chunks_ptr": "*i64", "hyper_ptr": "*fp32",
                 "steps_ptr": "*fp32", "scale_ptr": "*fp32", "scales_ptr": "*fp32",
-                "new_scales_ptr": "*fp32", "amax_ptr": "*fp32"}
+                "new_scales_ptr": "*fp32", "amax_ptr": "*fp32",
+                "found_inf_ptr": "*fp32"}
             constexprs = {"BLOCK": 4096, "FULL": False, "MAIN_FP16": main_dtype == "fp16",
                           "M_SCALED": exp_avg != "fp32", "V_SCALED": exp_avg_sq != "fp32",
                           "V_FP8": exp_avg_sq == "fp8", "AMAX_ONLY": amax_only}

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from tests.unit.test_optimizer_single import LR, WD, Dense, batches, ddp, max_diff, train_step
+from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
+from tests.unit.test_optimizer_single import LR, WD, Dense, _Timeline, batches, ddp, max_diff, \
+    train_step
 
 
 def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0,
@@ -73,8 +75,8 @@ def test_with_the_kernel_the_clip_is_the_kernels_division(monkeypatch):
     monkeypatch.setattr(FlatAdamW, "runs_kernel", property(lambda self: True))
     handed = []
     step = FlatAdamW.step
-    monkeypatch.setattr(FlatAdamW, "step", lambda self, scale=None: (handed.append(scale),
-                                                                     step(self, scale)))
+    monkeypatch.setattr(FlatAdamW, "step", lambda self, scale=None, found_inf=None: (
+        handed.append(scale), step(self, scale, found_inf)))
     divided_norm = train_step(divided_model, divided, batch)[1]
     assert divided_norm == norm and norm > 0.1  # clip_grad 0.1: the factor is in play
     assert handed[0].item() == pytest.approx(norm / 0.1, rel=1e-5)
@@ -82,6 +84,74 @@ def test_with_the_kernel_the_clip_is_the_kernels_division(monkeypatch):
     assert max_diff(model, divided_model) < 1e-2  # bf16 weights: one rounding apart at most
     for main, divided_main in zip(optimizer.get_parameters(), divided.get_parameters()):
         torch.testing.assert_close(divided_main, main, rtol=1e-5, atol=1e-7)
+
+
+LEAN = dict(moments=(torch.float16, torch.float16), main_grads=torch.bfloat16,
+            main_params=torch.float16)
+
+
+def _judged_iteration(model, optimizer, seed: int, nan_loss: bool, events: list, device: str):
+    """One iteration in the rerun machine's loop (mode ``disabled``), a loss check deferred as
+    pretrain_gpt's; the host reads of the step recorded among ``events``."""
+    machine = get_rerun_state_machine()
+    assert machine.should_run_forward_backward(None)
+    loss = torch.tensor(float("nan") if nan_loss else 1.0, device=device)
+    machine.validate_result(result=loss, rejection_func=torch.isnan, fatal=True,
+                            message="found NaN in local forward loss")
+    batch = [tuple(t.to(device) for t in pair) for pair in batches(1, torch.bfloat16, seed=seed)]
+    with _Timeline(events):
+        train_step(model, optimizer, batch)
+        assert not machine.should_run_forward_backward(None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_flat_adam_takes_the_iterations_verdict_as_found_inf(device, monkeypatch):
+    """As torch's fused Adam, the flat Adam (fp16 moments and main parameters) gets the
+    iteration's deferred verdicts as ``found_inf``: its kernel (a GPU) is queued before the
+    host reads them, once. Passing steps equal steps outside the loop; a NaN loss leaves the
+    weights, moments, their scales and the step counts as they were, and raises naming the
+    check."""
+    from megatron.core.optimizer.flat_adam import FlatAdamW
+
+    plain_model, plain = build(True, device=device, **LEAN)
+    for seed in range(3):
+        train_step(plain_model, plain,
+                   [tuple(t.to(device) for t in pair)
+                    for pair in batches(1, torch.bfloat16, seed=seed)])
+    destroy_rerun_state_machine()
+    model, optimizer = build(True, device=device, **LEAN)
+    events, handed = [], []
+    step = FlatAdamW.step
+
+    def recorded(self, grad_scale=None, found_inf=None):
+        handed.append(found_inf)
+        events.append("update")
+        return step(self, grad_scale, found_inf)
+
+    monkeypatch.setattr(FlatAdamW, "step", recorded)
+    for seed in range(3):
+        events.clear()
+        _judged_iteration(model, optimizer, seed, False, events, device)
+        if seed > 0:  # the first step judged them at the schedule's end, before it said so
+            assert handed[-1].item() == 0.0
+            if device == "cuda":  # (on CPU the torch arithmetic clips after reading the norm)
+                assert events == ["update", "read"]
+    assert max_diff(model, plain_model) == 0.0
+    for value, expected in zip(moments(optimizer), moments(plain)):
+        assert torch.equal(value, expected)
+    flat = optimizer.flat_adam
+    before = [t.clone() for t in (*model.parameters(), *moments(optimizer), flat.scales,
+                                  flat.steps)]
+    flat.settle()
+    events.clear()
+    with pytest.raises(RuntimeError, match="Unexpected result nan .*found NaN in local forward"):
+        _judged_iteration(model, optimizer, 3, True, events, device)
+    assert handed[-1].item() == 1.0
+    if device == "cuda":
+        assert events[:2] == ["update", "read"]
+    after = [*model.parameters(), *moments(optimizer), flat.scales, flat.steps]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert getattr(optimizer.optimizer, "found_inf", None) is None  # one step only
 
 
 def test_main_parameters_and_moments_live_in_the_flat_regions():

@@ -21,7 +21,8 @@ checkpoint load leaves in them is stored back, scaled, by ``settle()``, which th
 calls first and checkpoint saves and loads call when done (so the copies do not outlive them).
 
 The update is torch's AdamW (decoupled weight decay, bias-corrected moments); the gradient is
-divided by the optimizer's ``grad_scale`` when one is set, as in torch's fused kernel. On CUDA
+divided by the optimizer's ``grad_scale`` when one is set, and a ``found_inf`` flag of 1 skips
+the step (weights, moments, scales and step counts unchanged), as in torch's fused kernel. On CUDA
 it is a Triton kernel (``flat_adam_kernel``) per region, launched over the blocks that lie whole
 inside a parameter and then over the parameters' heads and tails (twice with scaled moments:
 their new scales first); elsewhere the same arithmetic runs as torch operations per parameter.
@@ -129,6 +130,7 @@ class FlatAdamW:
             for entry in self.entries]
         self._bind_state()
         self._kernel = triton_kernel() if device.type == "cuda" else None
+        self._no_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if self._kernel is not None:
             self._build_chunks()
 
@@ -315,17 +317,27 @@ class FlatAdamW:
         return self._kernel is not None
 
     @torch.no_grad()
-    def step(self, grad_scale: torch.Tensor | None = None) -> None:
-        """One AdamW step of every main parameter, written to the model weights as well."""
+    def step(self, grad_scale: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW step of every main parameter, written to the model weights as well;
+        none where ``found_inf`` (a one-element float tensor) is not 0: decided on the device
+        by the kernel, so the host need not wait for the flag."""
         if not self.entries:
             return
         self._adopt_replaced_state()
         self.settle()
-        self.steps.add_(1)
         hyper = self._hyperparameters()
         if self._kernel is None:
-            self._step_with_torch(hyper, grad_scale)
+            if found_inf is None or not found_inf.item():
+                self.steps.add_(1)
+                self._step_with_torch(hyper, grad_scale)
             return
+        if found_inf is None:
+            self.steps.add_(1)
+            found_inf = self._no_inf
+        else:
+            found_inf = found_inf.reshape(1).float()
+            self.steps.add_(1.0 - found_inf)
         device = self.steps.device
         hyper_tensor = torch.tensor(hyper, dtype=torch.float32)
         if device.type == "cuda":  # pinned: the copy does not hold the host up
@@ -339,23 +351,26 @@ class FlatAdamW:
         new_scales = self.scales
         if self.scaled:  # first each entry's largest updated moments, for their new scales
             amax = torch.zeros_like(self.scales)
-            self._launch(hyper_tensor, scale, self.scales, amax, amax, AMAX_ONLY=True, **flags)
+            self._launch(hyper_tensor, scale, self.scales, amax, amax, found_inf, AMAX_ONLY=True,
+                         **flags)
             new_scales = torch.stack([
                 power_of_two_scale(amax[:, column], self.storage[kind])
                 if is_scaled(self.storage[kind]) else self.scales[:, column]
                 for column, kind in enumerate(MOMENTS)], dim=1)
-        self._launch(hyper_tensor, scale, self.scales, new_scales, self.scales,
+            new_scales = torch.where(found_inf != 0, self.scales, new_scales)
+        self._launch(hyper_tensor, scale, self.scales, new_scales, self.scales, found_inf,
                      AMAX_ONLY=False, **flags)
         self.scales.copy_(new_scales)
 
-    def _launch(self, hyper, scale, scales, new_scales, amax, **flags) -> None:
+    def _launch(self, hyper, scale, scales, new_scales, amax, found_inf, **flags) -> None:
         for region in self.regions:
             for full, chunks in zip((True, False), region.chunks):
                 if chunks.shape[0]:
                     self._kernel[(chunks.shape[0],)](
                         region.main, region.grad, region.exp_avg, region.exp_avg_sq,
                         region.model, chunks, hyper, self.steps, scale, scales, new_scales,
-                        amax, BLOCK=self.block_size, FULL=full, num_warps=8, **flags)
+                        amax, found_inf, BLOCK=self.block_size, FULL=full, num_warps=8,
+                        **flags)
 
     def _step_with_torch(self, hyper: list[tuple[float, ...]],
                          grad_scale: torch.Tensor | None) -> None:

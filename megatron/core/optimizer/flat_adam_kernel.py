@@ -10,6 +10,10 @@ launches: ``AMAX_ONLY`` computes the updated moments and keeps each entry's larg
 (atomically, per entry), from which the caller makes the new power-of-two scales; the second
 launch computes the same values again and stores everything, the moments under their new
 scales. Reading the small moments twice costs about what fp32 moments' wider reads would.
+
+Every launch first reads ``found_inf_ptr``: where it is not 0 (a gradient was inf/nan, or a
+fatal check rejected the iteration) it stores nothing, so the host can queue the update before
+it knows whether the step must be skipped, as torch's fused Adam takes ``found_inf``.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ def triton_kernel():
     @triton.jit
     def adamw_region(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, chunks_ptr,
                      hyper_ptr, steps_ptr, scale_ptr, scales_ptr, new_scales_ptr, amax_ptr,
-                     BLOCK: tl.constexpr, FULL: tl.constexpr, MAIN_FP16: tl.constexpr,
-                     M_SCALED: tl.constexpr,
+                     found_inf_ptr, BLOCK: tl.constexpr, FULL: tl.constexpr,
+                     MAIN_FP16: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, V_FP8: tl.constexpr, AMAX_ONLY: tl.constexpr):
+        if tl.load(found_inf_ptr) != 0:
+            return
         row = chunks_ptr + tl.program_id(0) * 4
         start = tl.load(row)
         group = tl.load(row + 2)

@@ -473,9 +473,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return self._flat_grads_for_norm
 
     def _update_skips_on_device(self) -> bool:
-        # The flat Adam's kernel takes no flag: its few launches are queued right after the
-        # verdicts are read, while the device computes the gradient norm.
-        return self.flat_adam is None and super()._update_skips_on_device()
+        # The flat Adam takes found_inf as torch's fused Adam does (its torch fallback reads it).
+        return self.flat_adam is not None or super()._update_skips_on_device()
 
     def _step_divides_by_grad_scale(self) -> bool:
         if self.flat_adam is None:
@@ -511,7 +510,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         if self.flat_adam is not None:  # also writes the model parameters
-            self.flat_adam.step(getattr(self.optimizer, "grad_scale", None))
+            self.flat_adam.step(getattr(self.optimizer, "grad_scale", None),
+                                getattr(self.optimizer, "found_inf", None))
             return True
         self.optimizer.step()
         self._copy_main_params_to_model_params()
