@@ -74,6 +74,10 @@ TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
                                   "fp16", "--main-grads-dtype", "bf16"]}
 # The fastest FP8 configuration: the lean optimizer state besides (a third less Adam traffic).
 TRAINERS["trainer-fp8-lean"] = [*TRAINERS["trainer-flat-lean"], *TRAINERS["trainer-fp8"]]
+# Delayed scaling (upstream's default recipe): one pass over each input and output gradient.
+DELAYED = ["--fp8-recipe", "delayed"]
+TRAINERS["trainer-fp8-delayed"] = [*TRAINERS["trainer-fp8"], *DELAYED]
+TRAINERS["trainer-fp8-lean-delayed"] = [*TRAINERS["trainer-fp8-lean"], *DELAYED]
 # Issue 25's targets: (numerator, denominator) -> least ratio of tokens/s. FP8 against bf16
 # depends on the shape: 1.10 at 1.3B, 1.30 at the 7B-like one (hidden 4096).
 BY_SHAPE = None
@@ -82,6 +86,9 @@ LOW_PRECISION_TARGETS = {("trainer-fp8", "trainer"): BY_SHAPE,
                          ("trainer-flat-fp8", "trainer-flat"): BY_SHAPE,
                          ("trainer-fp8", "torch"): 1.15,
                          ("trainer-fp8-lean", "torch"): 1.15,
+                         ("trainer-fp8-delayed", "trainer"): BY_SHAPE,
+                         ("trainer-fp8-delayed", "torch"): 1.15,
+                         ("trainer-fp8-lean-delayed", "torch"): 1.15,
                          ("trainer-flat-fp16-state", "ours"): 0.97,
                          ("trainer-flat-fp8-state", "ours"): 0.97,
                          ("trainer-flat-lean", "ours"): 0.97}

@@ -1,7 +1,7 @@
 """``--fp8-format`` in ``pretrain_gpt.py`` on CPU/gloo, where torchao emulates the float8
 matmuls: composed with tensor and sequence parallelism, the interleaved pipeline with
 variable lengths and activation recompute, the losses stay within float8's error of the bf16
-run's; with the distributed optimizer a run stopped and resumed continues bit for bit, and the
+run's, with delayed scaling too; with the distributed optimizer a run stopped and resumed continues bit for bit, and the
 checkpoint holds no float8 tensor (the weights stay bf16, their optimizer state fp32); its
 overlapped parameter all-gathers leave the weight casts' reuse bit for bit as without."""
 
@@ -28,6 +28,20 @@ def test_fp8_trains_like_bf16_at_tp2_pp2_vpp2_with_recompute(data):
     assert sorted(fp8) == list(range(1, 9))
     assert fp8 != bf16  # the middle layers did compute in float8
     for iteration, value in fp8.items():
+        assert value == pytest.approx(bf16[iteration], rel=FP8_TOLERANCE), iteration
+
+
+def test_delayed_scaling_trains_like_bf16_at_tp2_with_sequence_parallelism(data):
+    """``--fp8-recipe delayed`` with upstream's history flags: the inputs and output gradients
+    cast with scales from their earlier casts (the shards' from the group's amax)."""
+    layout = ["--bf16", "--train-iters", "6", "--tensor-model-parallel-size", "2",
+              "--sequence-parallel"]
+    bf16 = losses(run(2, small_gpt(data, *layout)))
+    delayed = losses(run(2, small_gpt(data, *layout, "--fp8-format", "hybrid", "--fp8-recipe",
+                                      "delayed", "--fp8-amax-history-len", "4",
+                                      "--fp8-amax-compute-algo", "max")))
+    assert sorted(delayed) == list(range(1, 7)) and delayed != bf16
+    for iteration, value in delayed.items():
         assert value == pytest.approx(bf16[iteration], rel=FP8_TOLERANCE), iteration
 
 

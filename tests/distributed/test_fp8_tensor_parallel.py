@@ -19,5 +19,12 @@ def test_the_float8_gather_equals_a_bf16_gather(world_size):
     assert run_ranks(compare_float8_gather, world_size, timeout_s=120) == ["equal"] * world_size
 
 
+def test_with_delayed_scaling_the_shards_share_the_groups_history():
+    """Delayed scaling: each rank's history records the amax over the group, so the shards
+    keep being cast with one scale, that of the gathered input's history."""
+    assert run_ranks(compare_float8_gather, 2, args=("cpu", True), timeout_s=120) == \
+        ["equal"] * 2
+
+
 def test_the_overlapped_input_gradient_reduction_equals_one_after_the_matmul():
     assert run_ranks(compare_overlapped_dgrad_reduction, 2, timeout_s=120) == ["equal"] * 2

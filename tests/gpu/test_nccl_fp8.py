@@ -49,9 +49,10 @@ def test_fp8_trains_like_bf16_over_nccl(layout, data, tmp_path):
     assert bf16[ITERATIONS] < bf16[1] - 0.5
 
 
-def test_the_float8_gather_equals_a_bf16_gather_over_nccl():
+@pytest.mark.parametrize("delayed", [False, True], ids=["tensorwise", "delayed"])
+def test_the_float8_gather_equals_a_bf16_gather_over_nccl(delayed):
     device = "cuda" if BACKEND == "nccl" else "cpu"
-    assert run_ranks(compare_float8_gather, 2, args=(device,), backend=BACKEND,
+    assert run_ranks(compare_float8_gather, 2, args=(device, delayed), backend=BACKEND,
                      timeout_s=180) == ["equal"] * 2
 
 

@@ -3,12 +3,10 @@
 Run by ``test_flat_adam.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` and a triton
 install on ``PYTHONPATH``. Both sides get the same random gradients (and a gradient scale) for
 four steps (one skipped by ``found_inf``), plain and sharded over the buckets, for bf16 and
-fp16 weights, with fp32 moments and with scaled fp16 ones; prints one line per case and exits 1 on a mismatch. The
-interpreter truncates fp32 to half precision where GPUs round, so the written weights and
-scaled moments are held to one step of their precision rather than to equality. Its fp8
-conversion does not carry a rounded-up mantissa into the exponent (127.9 becomes 64, seen
-with triton 3.9.0): for the fp8 cases, e4m3 conversions go through torch's (round to nearest
-even, as the GPU's) instead (``exact_e4m3_conversions``).
+fp16 weights, with fp32 moments and with scaled fp16 ones; prints one line per case and exits
+1 on a mismatch. The interpreter truncates fp32 to half precision where GPUs round, so the written weights and
+scaled moments are held to one step of their precision rather than to equality; its fp8
+conversions go through torch's (``exact_float8_conversions``: the interpreter's own are off).
 ``run`` and ``mismatches`` also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
 """
 
@@ -21,6 +19,7 @@ import torch
 from megatron.core.optimizer.flat_adam import MOMENTS
 from megatron.core.optimizer.flat_adam_kernel import triton_kernel
 from megatron.core.optimizer.low_precision import is_scaled
+from tests.support.triton_interpreter import exact_float8_conversions
 from tests.unit.test_flat_adam import build
 
 FP32 = (torch.float32, torch.float32)
@@ -123,30 +122,9 @@ def mismatches(expected, got, model_rounding: bool) -> tuple[float, list[str]]:
     return worst, wrong
 
 
-def exact_e4m3_conversions() -> None:
-    """Have the interpreter convert between fp32 and e4m3 through torch."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def exact(data, source, target, rounding_mode):
-        if (source, target) == (tl.float32, tl.float8e4nv):
-            values = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.float32).copy())
-            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(data.shape)
-        if (source, target) == (tl.float8e4nv, tl.float32):
-            bits = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.uint8).copy())
-            wide = bits.view(torch.float8_e4m3fn).float().view(torch.int32)
-            return wide.numpy().view(np.uint32).reshape(data.shape)
-        return convert(data, source, target, rounding_mode)
-
-    interpreter._convert_float = exact
-
-
 def main() -> int:
     assert triton_kernel() is not None, "triton is not importable"
-    exact_e4m3_conversions()
+    exact_float8_conversions()
     failed = False
     for dtype, moments, lean in ((torch.bfloat16, FP32, False), (torch.float16, FP32, False),
                                  (torch.bfloat16, FP16, False), (torch.bfloat16, FP16, True),

@@ -316,11 +316,25 @@ def test_fp8_flags_reach_the_transformer_config(world, monkeypatch, capsys):
                                 "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise",
                                 "--no-fp8-wgrad", "--first-last-layers-bf16",
                                 "--fp8-amax-history-len", "16"))
-    assert "--fp8-amax-history-len tune Transformer Engine's delayed scaling" in \
+    assert "--fp8-amax-history-len tune delayed scaling (--fp8-recipe delayed" in \
         capsys.readouterr().out
     config = core_transformer_config_from_args(args)
     assert (config.fp8, config.fp8_recipe, config.fp8_wgrad, config.first_last_layers_bf16) == \
         ("hybrid", "rowwise", False, True)
+    delayed = validate_args(parsed("--num-layers", "4", "--hidden-size", "32",
+                                   "--num-attention-heads", "2", "--seq-length", "8",
+                                   "--micro-batch-size", "1", "--bf16", "--fp8-format", "hybrid",
+                                   "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
+                                   "--fp8-amax-compute-algo", "max", "--fp8-margin", "1"))
+    assert "WARNING" not in capsys.readouterr().out
+    config = core_transformer_config_from_args(delayed)
+    assert (config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo,
+            config.fp8_margin) == ("delayed", 16, "max", 1)
+    with pytest.raises(ArgumentError, match="--fp8-amax-history-len must be at least 1, got 0"):
+        validate_args(parsed("--num-layers", "4", "--hidden-size", "32",
+                             "--num-attention-heads", "2", "--seq-length", "8",
+                             "--micro-batch-size", "1", "--bf16", "--fp8-format", "hybrid",
+                             "--fp8-recipe", "delayed", "--fp8-amax-history-len", "0"))
     monkeypatch.setattr("megatron.core.transformer.te_backend.transformer_engine_available",
                         lambda: True)
     te_fp8 = validate_args(parse_args(argv=["--distributed-backend", "gloo", "--fp8-format",

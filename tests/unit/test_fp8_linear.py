@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from megatron.core.tensor_parallel.fp8_delayed import DelayedScaling
 from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe, Fp8Unavailable, fp8_linear, \
     require_torchao
 from megatron.core.transformer import TransformerConfig
@@ -95,12 +96,16 @@ def test_recipes_are_checked():
     with pytest.raises(ValueError, match="fp8 format must be one of"):
         Fp8Recipe("e5m2")
     with pytest.raises(ValueError, match="fp8 scaling must be one of"):
-        Fp8Recipe("hybrid", "delayed")
+        Fp8Recipe("hybrid", "mxfp8")
     with pytest.raises(ValueError, match="fp8=.e5m2. must be None or one of"):
         TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, fp8="e5m2")
-    with pytest.raises(ValueError, match="'delayed' is Transformer Engine's recipe"):
+    with pytest.raises(ValueError, match="fp8_recipe='blockwise' must be one of"):
         TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, fp8="hybrid",
-                          fp8_recipe="delayed")
+                          fp8_recipe="blockwise")
+    with pytest.raises(ValueError, match="amax compute algo must be one of"):
+        DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="history length must be at least 1"):
+        DelayedScaling(amax_history_len=0)
 
 
 def test_only_the_transformer_layers_linears_compute_in_fp8():

@@ -1,16 +1,17 @@
 """FP8 matmuls of the tensor-parallel linears (``--fp8-format`` without Transformer Engine).
 
 The transformer layers' column- and row-parallel linears (attention's QKV and projection, the
-MLP's two) compute ``x W^T`` in float8 with dynamic scaling, recomputed from each tensor at
-each use (``tensorwise``: one scale per tensor; ``rowwise``: one per row of each operand, with
-power-of-two scales). ``e4m3`` casts inputs, weights and output gradients to e4m3; ``hybrid``
+MLP's two) compute ``x W^T`` in float8, scaled per tensor from its own amax at each use
+(``tensorwise``), or from the amaxes of the earlier uses (``delayed``: upstream's default
+recipe, ``fp8_delayed``), or per row of each operand with power-of-two scales (``rowwise``). ``e4m3`` casts inputs, weights and output gradients to e4m3; ``hybrid``
 casts output gradients to e5m2 (their range matters more than their precision). Without
 ``fp8_wgrad`` the weight-gradient matmul stays in the parameters' dtype. Weights, gradients
 and checkpoints stay as they were: only the matmuls' operands are cast.
 
 ``tensorwise`` runs fp8_tensorwise: torchao's recipe (the same scales and float8 values) with
 fewer passes over memory and the weight gradient written into ``main_grad`` (that module says
-why); shapes the float8 GEMMs cannot take go to torchao.
+why); ``delayed`` runs the same matmuls with the inputs and output gradients cast by
+``fp8_delayed``. Shapes the float8 GEMMs cannot take go to torchao (dynamic scaling).
 ``rowwise`` is torchao's float8 training, its cast-and-matmul under ``torch.compile`` on a
 GPU (eagerly each cast is several kernels: a step measured 2.3x slower than bf16 on an
 H200); one compiled function serves every layer of a recipe, specialised by shapes.
@@ -36,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core.tensor_parallel import fp8_tensorwise
+from megatron.core.tensor_parallel.fp8_delayed import DelayedScaling, Fp8Meta
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -43,7 +45,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.utils import resolve_tp_group
 
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_SCALINGS = ("tensorwise", "rowwise")
+FP8_SCALINGS = ("tensorwise", "delayed", "rowwise")
 
 
 class Fp8Unavailable(RuntimeError):
@@ -52,18 +54,29 @@ class Fp8Unavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """How a linear computes in FP8: ``format`` (e4m3 or hybrid), ``scaling`` (tensorwise or
-    rowwise) and whether the weight-gradient matmul is FP8 too."""
+    """How a linear computes in FP8: ``format`` (e4m3 or hybrid), ``scaling`` (tensorwise,
+    delayed or rowwise), whether the weight-gradient matmul is FP8 too, and for ``delayed``
+    its history settings."""
 
     format: str
     scaling: str = "tensorwise"
     wgrad: bool = True
+    delayed: DelayedScaling = DelayedScaling()
 
     def __post_init__(self) -> None:
         if self.format not in FP8_FORMATS:
             raise ValueError(f"fp8 format must be one of {FP8_FORMATS}, got {self.format!r}")
         if self.scaling not in FP8_SCALINGS:
             raise ValueError(f"fp8 scaling must be one of {FP8_SCALINGS}, got {self.scaling!r}")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The output gradient's float8 dtype: e5m2 in ``hybrid``."""
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+    def new_meta(self) -> Optional[Fp8Meta]:
+        """A linear's own delayed-scaling state (None for the other scalings)."""
+        return Fp8Meta(self.delayed, self.grad_dtype) if self.scaling == "delayed" else None
 
 
 def require_torchao():
@@ -98,9 +111,9 @@ def check_device(device: torch.device) -> None:
 def _torchao_configs(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool):
     float8_config, float8_linear = require_torchao()
     cast = float8_config.CastConfig
-    granularity = (float8_config.ScalingGranularity.TENSORWISE if recipe.scaling == "tensorwise"
-                   else float8_config.ScalingGranularity.AXISWISE)
-    grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+    granularity = (float8_config.ScalingGranularity.AXISWISE if recipe.scaling == "rowwise"
+                   else float8_config.ScalingGranularity.TENSORWISE)
+    grad_dtype = recipe.grad_dtype
 
     def operand(dtype, fp8=True):  # torchao wants an operand's dtype named even when unused
         if not fp8:
@@ -128,15 +141,25 @@ def _torchao_configs(recipe: Fp8Recipe, emulate: bool, pad_inner_dim: bool):
 
 def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                recipe: Fp8Recipe, *, sequence_parallel: bool, allreduce_dgrad: bool,
-               group: Any, gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+               group: Any, gradient_accumulation_fusion: bool = False,
+               meta: Optional[Fp8Meta] = None) -> torch.Tensor:
     """``input_ @ weight.T + bias`` in FP8 with the layer's tensor-parallel communication
     (``sequence_parallel``: all-gather the input's sequence shards first; ``allreduce_dgrad``:
     sum the input gradient over the group; ``gradient_accumulation_fusion``: the tensorwise
-    weight gradient goes straight into ``weight.main_grad``, where there is one)."""
+    weight gradient goes straight into ``weight.main_grad``, where there is one). ``meta``:
+    the layer's delayed-scaling state (``recipe.new_meta()``), needed by ``delayed``."""
     emulate = input_.device.type != "cuda"
-    tensorwise = recipe.scaling == "tensorwise" and fp8_tensorwise.supports(*weight.shape[::-1])
+    tensorwise = (recipe.scaling in ("tensorwise", "delayed")
+                  and fp8_tensorwise.supports(*weight.shape[::-1]))
+    if recipe.scaling == "delayed":
+        if meta is None:
+            raise ValueError("fp8 delayed scaling needs the layer's state: meta=recipe.new_meta()")
+        if not tensorwise:  # (widths the float8 GEMMs cannot take) torchao's dynamic scaling
+            meta = None
+    else:
+        meta = None
     fuse_wgrad = gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
-    grad_dtype = torch.float8_e5m2 if recipe.format == "hybrid" else torch.float8_e4m3fn
+    grad_dtype = recipe.grad_dtype
     # The tensorwise float8 GEMM adds a half-precision bias of the output's dtype in its
     # epilogue; otherwise the bias is added after the matmul.
     half = input_.dtype in (torch.bfloat16, torch.float16)
@@ -145,7 +168,7 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if sequence_parallel and tensorwise and recipe.wgrad:  # gathered in float8
         output = fp8_tensorwise.Fp8SequenceParallelMatmul.apply(
             input_, weight, grad_dtype, fuse_wgrad, not emulate, resolve_tp_group(group),
-            epilogue_bias)
+            epilogue_bias, meta)
     else:
         if sequence_parallel:  # its backward reduce-scatters the input gradient
             input_ = gather_from_sequence_parallel_region(input_, group=group)
@@ -153,7 +176,7 @@ def fp8_linear(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         if tensorwise:  # the input gradient's all-reduce overlaps the weight gradient
             output = fp8_tensorwise.Fp8TensorwiseMatmul.apply(
                 input_, weight, grad_dtype, recipe.wgrad, fuse_wgrad, not emulate,
-                resolve_tp_group(group) if reduce_dgrad else None, epilogue_bias)
+                resolve_tp_group(group) if reduce_dgrad else None, epilogue_bias, meta)
         else:
             if reduce_dgrad:
                 input_ = copy_to_tensor_model_parallel_region(input_, group=group)

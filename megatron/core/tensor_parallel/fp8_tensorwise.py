@@ -234,12 +234,17 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, grad_dtype, wgrad_fp8, fuse_wgrad, compiled,
-                dgrad_group=None, bias=None):
+                dgrad_group=None, bias=None, meta=None):
         steps = _steps(compiled)
         flat = input_.reshape(-1, input_.shape[-1])
         rows = _padded(flat.shape[0])
         casts = _cached(weight)
-        if casts is not None:
+        if meta is not None:  # delayed scaling of the input and the output gradient
+            casts = casts or _keep(weight, steps.cast_weight(weight))
+            input8, input8_t, input_inverse = meta.input.cast(flat, rows, True, wgrad_fp8)
+            output = torch._scaled_mm(input8, casts.weight8.t(), input_inverse, casts.inverse,
+                                      bias=bias, out_dtype=input_.dtype, use_fast_accum=True)
+        elif casts is not None:
             output, input8_t, input_inverse = steps.forward_with(
                 flat, casts.weight8, casts.inverse, rows, wgrad_fp8, bias)
         else:  # the weight's casts in the same call
@@ -251,6 +256,7 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         ctx.grad_dtype, ctx.wgrad_fp8, ctx.fuse_wgrad = grad_dtype, wgrad_fp8, fuse_wgrad
         ctx.compiled, ctx.input_shape, ctx.dgrad_group = compiled, input_.shape, dgrad_group
         ctx.bias_grad = bias is not None and bias.requires_grad
+        ctx.meta = meta
         return output.reshape(*input_.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -259,9 +265,8 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         wgrad_fp8 = needs_weight_grad and ctx.wgrad_fp8
-        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled).backward(
-            flat_grad, weight8_t, weight_inverse, ctx.grad_dtype, _padded(flat_grad.shape[0]),
-            wgrad_fp8, needs_input_grad)
+        grad_input, grad8_t, grad_inverse = _grad_casts_and_dgrad(
+            ctx, flat_grad, weight8_t, weight_inverse, wgrad_fp8, needs_input_grad)
         reduction = None
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.input_shape)
@@ -279,7 +284,24 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         grad_bias = flat_grad.sum(dim=0) if ctx.bias_grad else None
         if reduction is not None:
             reduction.wait()
-        return grad_input, grad_weight, None, None, None, None, None, grad_bias
+        return grad_input, grad_weight, None, None, None, None, None, grad_bias, None
+
+
+def _grad_casts_and_dgrad(ctx, flat_grad, weight8_t, weight_inverse, wgrad_fp8: bool,
+                          needs_input_grad: bool):
+    """The backward's casts of the output gradient and the input gradient (``_backward``),
+    with the output gradient scaled from its history where ``ctx.meta`` (delayed scaling)."""
+    rows = _padded(flat_grad.shape[0])
+    if ctx.meta is None:
+        return _steps(ctx.compiled).backward(flat_grad, weight8_t, weight_inverse,
+                                             ctx.grad_dtype, rows, wgrad_fp8, needs_input_grad)
+    grad8, grad8_t, inverse = ctx.meta.grad_output.cast(flat_grad, rows, needs_input_grad,
+                                                        wgrad_fp8)
+    grad_input = None
+    if needs_input_grad:
+        grad_input = torch._scaled_mm(grad8, weight8_t.t(), inverse, weight_inverse,
+                                      out_dtype=flat_grad.dtype)
+    return grad_input, grad8_t, inverse
 
 
 class Fp8SequenceParallelMatmul(torch.autograd.Function):
@@ -291,12 +313,18 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
     shard, and reduce-scatters the input gradient back to the shard."""
 
     @staticmethod
-    def forward(ctx, shard, weight, grad_dtype, fuse_wgrad, compiled, group, bias=None):
+    def forward(ctx, shard, weight, grad_dtype, fuse_wgrad, compiled, group, bias=None,
+                meta=None):
         steps = _steps(compiled)
         casts = _cached(weight) or _keep(weight, steps.cast_weight(weight))
-        amax = all_reduce(torch.linalg.vector_norm(shard, float("inf")).float(), group,
-                          op=dist.ReduceOp.MAX)
-        shard8, input_inverse = steps.cast_shard(shard, amax, torch.float8_e4m3fn)
+        if meta is not None:  # one scale over the group: its histories hold the group's amax
+            shard8, _, input_inverse = meta.input.cast(
+                shard.reshape(-1, shard.shape[-1]), 0, True, False, group=group)
+            shard8 = shard8.view(shard.shape)
+        else:
+            amax = all_reduce(torch.linalg.vector_norm(shard, float("inf")).float(), group,
+                              op=dist.ReduceOp.MAX)
+            shard8, input_inverse = steps.cast_shard(shard, amax, torch.float8_e4m3fn)
         full8 = _gather_float8(shard8, group)
         flat8 = full8.reshape(-1, full8.shape[-1])
         output = torch._scaled_mm(flat8, casts.weight8.t(), input_inverse, casts.inverse,
@@ -305,6 +333,7 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
         ctx.grad_dtype, ctx.fuse_wgrad, ctx.compiled, ctx.group = (grad_dtype, fuse_wgrad,
                                                                    compiled, group)
         ctx.bias_grad = bias is not None and bias.requires_grad
+        ctx.meta = meta
         return output.reshape(*full8.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -317,9 +346,8 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
             else (None, None)
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         rows = _padded(flat_grad.shape[0])
-        grad_input, grad8_t, grad_inverse = _steps(ctx.compiled).backward(
-            flat_grad, weight8_t, weight_inverse, ctx.grad_dtype, rows, needs_weight_grad,
-            needs_input_grad)
+        grad_input, grad8_t, grad_inverse = _grad_casts_and_dgrad(
+            ctx, flat_grad, weight8_t, weight_inverse, needs_weight_grad, needs_input_grad)
         reduction = None
         if grad_input is not None:  # back to the shard, while the weight gradient runs
             grad_input, reduction = reduce_scatter_first_dim(
@@ -334,7 +362,7 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
         grad_bias = flat_grad.sum(dim=0) if ctx.bias_grad else None
         if reduction is not None:
             reduction.wait()
-        return grad_input, grad_weight, None, None, None, None, grad_bias
+        return grad_input, grad_weight, None, None, None, None, grad_bias, None
 
 
 def _fp8_weight_grad(weight, grad8_t, grad_inverse, input8_t, input_inverse, fuse_wgrad):

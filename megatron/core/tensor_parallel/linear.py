@@ -22,6 +22,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.collectives import group_rank, group_size
+from megatron.core.tensor_parallel.fp8_delayed import Fp8Meta
 from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe, fp8_linear
 from megatron.core.tensor_parallel.linear_function import (
     linear_with_grad_accumulation_and_async_allreduce,
@@ -55,8 +56,10 @@ class _ParallelLinearBase(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.master_weight: Optional[torch.Tensor] = None
-        # Set on the transformer layers' linears when they compute in FP8 (fp8_linear).
+        # Set on the transformer layers' linears when they compute in FP8 (fp8_linear), with
+        # the layer's delayed-scaling state where the recipe has one.
         self.fp8: Optional[Fp8Recipe] = None
+        self.fp8_meta: Optional[Fp8Meta] = None
 
     def _matmul(self, input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 *, allreduce_dgrad: bool, sequence_parallel: bool,
@@ -65,7 +68,8 @@ class _ParallelLinearBase(torch.nn.Module):
         if self.fp8 is not None:
             return fp8_linear(input_, weight, bias, self.fp8, sequence_parallel=sequence_parallel,
                               allreduce_dgrad=allreduce_dgrad, group=self.tp_group,
-                              gradient_accumulation_fusion=gradient_accumulation_fusion)
+                              gradient_accumulation_fusion=gradient_accumulation_fusion,
+                              meta=self.fp8_meta)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_, weight, bias, allreduce_dgrad=allreduce_dgrad,
             sequence_parallel=sequence_parallel, tp_group=self.tp_group,
@@ -293,4 +297,5 @@ def set_fp8(module: torch.nn.Module, recipe: Optional[Fp8Recipe]) -> int:
     linears = [child for child in module.modules() if isinstance(child, _ParallelLinearBase)]
     for linear in linears:
         linear.fp8 = recipe
+        linear.fp8_meta = None if recipe is None else recipe.new_meta()
     return len(linears)

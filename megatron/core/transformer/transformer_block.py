@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.fp8_delayed import DelayedScaling
 from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe
 from megatron.core.tensor_parallel.linear import set_fp8
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
@@ -103,12 +104,13 @@ class TransformerBlock(MegatronModule):
         forward enters around them."""
         if config.fp8 is None:
             return frozenset()
-        recipe = Fp8Recipe(config.fp8, config.fp8_recipe, config.fp8_wgrad)
+        recipe = Fp8Recipe(config.fp8, config.fp8_recipe, config.fp8_wgrad, DelayedScaling(
+            config.fp8_amax_history_len, config.fp8_amax_compute_algo, config.fp8_margin))
         te_layers = set()
         for position, (index, built) in enumerate(zip(self.global_layer_indices, self.layers)):
             if config.computes_in_fp8(index + 1) and not set_fp8(built, recipe):
                 te_layers.add(position)
-        if te_layers and config.fp8_recipe != "tensorwise":
+        if te_layers and config.fp8_recipe == "rowwise":
             raise ValueError(f"fp8_recipe={config.fp8_recipe!r} is torchao's (local layers); "
                              f"Transformer Engine's layers use its delayed scaling")
         if te_layers and config.recompute_granularity == "full":

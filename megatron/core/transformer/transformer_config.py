@@ -263,20 +263,22 @@ class TransformerConfig(ModelParallelConfig):
     gradients in e5m2)."""
 
     fp8_recipe: str = "tensorwise"
-    """How fp8 operands are scaled: 'tensorwise' or 'rowwise' (torchao's dynamic scaling);
-    upstream's 'delayed' is Transformer Engine's and refused here."""
+    """How fp8 operands are scaled: 'tensorwise' (per tensor, from its own amax), 'delayed'
+    (inputs and output gradients from the amax history of their earlier casts: fp8_delayed)
+    or 'rowwise' (torchao's, per row)."""
 
     fp8_margin: int = 0
-    """Transformer Engine's delayed-scaling margin; no effect on torchao's dynamic scaling."""
+    """Delayed scaling: scales are divided by 2**margin."""
 
     fp8_interval: int = 1
     """fp8 scaling update interval (deprecated upstream; no effect here)."""
 
     fp8_amax_history_len: int = 1
-    """Transformer Engine's amax history; torchao's dynamic scaling keeps none."""
+    """Delayed scaling: how many amaxes of an operand's casts are kept."""
 
     fp8_amax_compute_algo: str = "most_recent"
-    """Reduction over the amax history (Transformer Engine's; no effect here)."""
+    """Delayed scaling: the scale is made from the newest amax ('most_recent') or the largest
+    kept ('max')."""
 
     fp8_wgrad: bool = True
     """Compute weight gradients in fp8 (False: in the parameters' dtype)."""
@@ -457,9 +459,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"fp8={self.fp8!r} must be None or one of {FP8_FORMATS}")
         if self.fp8_recipe not in FP8_SCALINGS:
-            raise ValueError(
-                f"fp8_recipe={self.fp8_recipe!r} must be one of {FP8_SCALINGS} (torchao's "
-                f"dynamic scaling; 'delayed' is Transformer Engine's recipe)")
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} must be one of {FP8_SCALINGS}")
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

@@ -238,7 +238,7 @@ def check_rerun(args: argparse.Namespace) -> None:
                             f"inject nothing")
 
 
-_DELAYED_SCALING_FLAGS = {"fp8_margin": 0, "fp8_interval": 1, "fp8_amax_history_len": 1,
+_DELAYED_SCALING_FLAGS = {"fp8_margin": 0, "fp8_amax_history_len": 1,
                           "fp8_amax_compute_algo": "most_recent"}
 
 
@@ -252,10 +252,10 @@ def check_fp8(args: argparse.Namespace) -> None:
         return
     if args.transformer_impl == "transformer_engine":  # left after check_runtime: TE is there
         # TE's layers compute fp8 under its fp8_autocast with delayed scaling, as upstream.
-        if args.fp8_recipe != "tensorwise":
-            raise ArgumentError(f"--fp8-recipe {args.fp8_recipe} is torchao's, for "
-                                f"--transformer-impl local; Transformer Engine's layers use its "
-                                f"delayed scaling (--fp8-margin, --fp8-amax-*)")
+        if args.fp8_recipe == "rowwise":
+            raise ArgumentError("--fp8-recipe rowwise is torchao's, for --transformer-impl "
+                                "local; Transformer Engine's layers use its delayed scaling "
+                                "(--fp8-margin, --fp8-amax-*)")
         if args.recompute_granularity == "full":
             raise ArgumentError("--recompute-granularity full with --fp8-format and Transformer "
                                 "Engine's layers needs TE's own checkpointing, which is not "
@@ -283,8 +283,14 @@ def check_fp8(args: argparse.Namespace) -> None:
             if width % 16:
                 raise ArgumentError(f"--fp8-format: {name} is {width}, not a multiple of 16, "
                                     f"which float8 matmuls need")
+    if args.fp8_amax_history_len < 1:
+        raise ArgumentError(f"--fp8-amax-history-len must be at least 1, got "
+                            f"{args.fp8_amax_history_len}")
     given = [f"--{name.replace('_', '-')}" for name, default in _DELAYED_SCALING_FLAGS.items()
              if getattr(args, name) != default]
-    if given and args.rank == 0:
-        print(f"WARNING: {', '.join(given)} tune Transformer Engine's delayed scaling; this "
-              f"tree's fp8 (torchao, dynamic scaling) does not use them", flush=True)
+    if given and args.fp8_recipe != "delayed" and args.rank == 0:
+        print(f"WARNING: {', '.join(given)} tune delayed scaling (--fp8-recipe delayed, "
+              f"upstream's default recipe); --fp8-recipe {args.fp8_recipe} does not use them",
+              flush=True)
+    if args.fp8_interval != 1 and args.rank == 0:
+        print("WARNING: --fp8-interval is deprecated upstream and ignored, here too", flush=True)

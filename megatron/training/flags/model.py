@@ -15,9 +15,8 @@ _BERT = "BERT models are not implemented"
 _MLA = "multi-latent attention is not implemented"
 _FP8 = ("fp8 parameters and their fp8 all-gather are not implemented: this tree's fp8 casts "
         "the matmuls' operands and keeps the weights in --bf16")
-_DELAYED_SCALING = ("Transformer Engine's delayed scaling; torchao's dynamic scaling "
-                    "computes each scale from the tensor being cast and keeps no amax history, "
-                    "so this has no effect (a set value is warned about at start-up)")
+_INTERVAL = ("deprecated upstream, where it is ignored; no effect here either (a set value is "
+             "warned about at start-up)")
 _TE_ONLY = "needs Transformer Engine's own RNG tracker, which this tree does not use"
 
 
@@ -164,14 +163,17 @@ class TransformerEngineArgs:
         "must be installed): e4m3, or hybrid (output gradients in e5m2)", flags=("--fp8-format",),
         choices=("e4m3", "hybrid"))
     fp8_recipe: str = option(
-        "tensorwise", "how fp8 operands are scaled: tensorwise (one scale per tensor) or rowwise "
-        "(per row, power-of-two scales), recomputed from each tensor as it is cast",
-        choices=("tensorwise", "rowwise"))
-    fp8_margin: int = option(0, "", accepted=_DELAYED_SCALING)
-    fp8_interval: int = option(1, "", accepted=_DELAYED_SCALING)
-    fp8_amax_history_len: int = option(1, "", accepted=_DELAYED_SCALING)
-    fp8_amax_compute_algo: str = option("most_recent", "", accepted=_DELAYED_SCALING,
-                                        choices=("most_recent", "max"))
+        "tensorwise", "how fp8 operands are scaled: tensorwise (one scale per tensor, from its "
+        "own amax), delayed (inputs and output gradients from the amaxes of their earlier "
+        "casts, upstream's default recipe: one pass over each instead of two) or rowwise "
+        "(torchao's, per row, power-of-two scales)", choices=("tensorwise", "delayed", "rowwise"))
+    fp8_margin: int = option(0, "--fp8-recipe delayed: scales are divided by 2**margin")
+    fp8_interval: int = option(1, "", accepted=_INTERVAL)
+    fp8_amax_history_len: int = option(
+        1, "--fp8-recipe delayed: how many amaxes of each operand's casts are kept")
+    fp8_amax_compute_algo: str = option(
+        "most_recent", "--fp8-recipe delayed: scale from the newest amax kept, or the largest",
+        choices=("most_recent", "max"))
     fp8_wgrad: bool = option(True, "weight-gradient matmuls in fp8 too (--no-fp8-wgrad: in the "
                              "parameters' dtype)", negative=("--no-fp8-wgrad",))
     first_last_layers_bf16: bool = option(

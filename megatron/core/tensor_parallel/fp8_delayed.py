@@ -1,0 +1,155 @@
+"""Delayed FP8 scaling (``--fp8-recipe delayed``): Transformer Engine's default recipe, which
+upstream Megatron-LM's ``--fp8-format`` runs, on this tree's tensorwise float8 matmuls.
+
+An operand is cast with a scale made from the largest magnitudes (amax) its earlier casts
+recorded, not from its own: the cast is one pass over the tensor that also records this
+tensor's amax, where scaling from the tensor itself reads it twice (docs/performance.md). As
+upstream's flags say: the history keeps the last ``amax_history_len`` amaxes,
+``amax_compute_algo`` takes the newest (``most_recent``) or the largest (``max``), and the
+scale is ``fp8_max / amax / 2**margin``; an all-zero or non-finite amax keeps the scale. The
+history moves on at every cast (each microbatch's forward for the inputs, each backward for
+the output gradients), as Transformer Engine updates its scales after each forward and backward.
+
+Here the layers' inputs and output gradients are scaled so. The weights keep the scale of
+their own amax (``fp8_tensorwise``): they are cast once per forward-backward call, not per
+microbatch, so the second pass costs little, and a weight changed by the optimizer is scaled
+for what it is now. A sequence-parallel input's amax is the maximum over the tensor-parallel
+group (its shards are gathered in float8 with one scale), reduced before the history moves.
+
+An operand's first cast, with no history yet (a new run, or a resumed one: the histories are
+not saved in checkpoints, whose tensors stay the model's), is scaled from its own amax. Casts
+run as two Triton kernels on CUDA (``fp8_delayed_kernels``: cast-and-record, then the
+history's update), as torch operations elsewhere, with the same float8 values and scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.collectives import all_reduce, group_size
+from megatron.core.tensor_parallel.fp8_delayed_kernels import kernels
+
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+_AMAX_FLOOR = 1e-12  # under a first cast's own amax, as the tensorwise casts' floor
+_BLOCK_M, _BLOCK_N = 64, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Upstream's delayed-scaling settings: ``--fp8-amax-history-len``,
+    ``--fp8-amax-compute-algo`` and ``--fp8-margin``."""
+
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.amax_history_len < 1:
+            raise ValueError(f"fp8 amax history length must be at least 1, got "
+                             f"{self.amax_history_len}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"fp8 amax compute algo must be one of {AMAX_COMPUTE_ALGOS}, got "
+                             f"{self.amax_compute_algo!r}")
+
+
+class AmaxHistory:
+    """One operand's scaling state: ``history`` (fp32, newest first; entry 0 is what the
+    current cast records into, cleared after) and ``scale``, both made on the device of the
+    first cast and updated in place (so a CUDA graph replaying the casts keeps them moving)."""
+
+    def __init__(self, scaling: DelayedScaling, dtype: torch.dtype):
+        self.scaling, self.dtype = scaling, dtype
+        self.limit = torch.finfo(dtype).max
+        self.history: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
+
+    def cast(self, tensor: torch.Tensor, rows: int, row_major: bool, transposed: bool,
+             group: Any = None):
+        """``tensor`` (2-D) in float8 with the scale of the history: row-major (or None),
+        transposed with its columns padded with zeros to ``rows`` (or None), and the inverse
+        scale; its amax recorded (the maximum over ``group``) and the history moved on."""
+        tensor = tensor.contiguous()
+        if self.history is None:
+            self._start(tensor, group)
+        out = (torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
+               if row_major else None)
+        out_t = None
+        if transposed:
+            out_t = (torch.zeros if rows > tensor.shape[0] else torch.empty)(
+                tensor.shape[1], rows, dtype=self.dtype, device=tensor.device)
+        inverse = torch.empty(1, dtype=torch.float32, device=tensor.device)
+        launched = kernels() if tensor.is_cuda else None
+        if launched is None:
+            self._cast_with_torch(tensor, out, out_t, inverse)
+        else:
+            self._launch_cast(launched[0], tensor, out, out_t, inverse)
+        if group is not None and group_size(group) > 1:
+            all_reduce(self.history[:1], group, op=dist.ReduceOp.MAX)
+        if launched is None:
+            self._roll_with_torch()
+        else:
+            self._launch_roll(launched[1])
+        return out, out_t, inverse.reshape(())
+
+    def _start(self, tensor: torch.Tensor, group: Any) -> None:
+        """The state, the first scale from the tensor's own amax (over ``group``)."""
+        self.history = torch.zeros(self.scaling.amax_history_len, dtype=torch.float32,
+                                   device=tensor.device)
+        amax = torch.linalg.vector_norm(tensor, float("inf")).float().reshape(1)
+        if group is not None and group_size(group) > 1:
+            amax = all_reduce(amax, group, op=dist.ReduceOp.MAX)
+        self.scale = self.limit / amax.clamp(min=_AMAX_FLOOR)
+
+    # ------------------------------------------------------------ torch arithmetic
+
+    @torch.no_grad()
+    def _cast_with_torch(self, tensor, out, out_t, inverse) -> None:
+        scaled = (tensor.float() * self.scale).clamp(-self.limit, self.limit).to(self.dtype)
+        if out is not None:
+            out.copy_(scaled)
+        if out_t is not None:
+            out_t[:, :tensor.shape[0]].copy_(scaled.t())
+        self.history[:1] = torch.maximum(self.history[:1],
+                                         torch.linalg.vector_norm(tensor, float("inf")).float())
+        torch.reciprocal(self.scale, out=inverse)
+
+    @torch.no_grad()
+    def _roll_with_torch(self) -> None:
+        history = self.history
+        amax = history.max() if self.scaling.amax_compute_algo == "max" else history[0]
+        fresh = self.limit / amax / 2.0 ** self.scaling.margin
+        usable = (amax > 0) & torch.isfinite(amax)
+        self.scale.copy_(torch.where(usable, fresh, self.scale))
+        history[1:] = history[:-1].clone()
+        history[0] = 0.0
+
+    # ------------------------------------------------------------ Triton kernels
+
+    def _launch_cast(self, kernel, tensor, out, out_t, inverse) -> None:
+        rows, cols = tensor.shape
+        grid = (-(-rows // _BLOCK_M), -(-cols // _BLOCK_N))
+        kernel[grid](tensor, out if out is not None else out_t, out_t if out_t is not None
+                     else out, self.scale, inverse, self.history, rows, cols,
+                     out_t.shape[1] if out_t is not None else rows, LIMIT=self.limit,
+                     BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, ROW_MAJOR=out is not None,
+                     TRANSPOSED=out_t is not None, num_warps=4)
+
+    def _launch_roll(self, kernel) -> None:
+        length = self.scaling.amax_history_len
+        kernel[(1,)](self.history, self.scale, float(2.0 ** self.scaling.margin),
+                     LIMIT=self.limit, LENGTH=length,
+                     BLOCK=max(16, 1 << (length - 1).bit_length()),
+                     USE_MAX=self.scaling.amax_compute_algo == "max", num_warps=4)
+
+
+class Fp8Meta:
+    """A linear's delayed-scaling state: its input's and its output gradient's histories
+    (Transformer Engine calls a module's scaling state its fp8 meta)."""
+
+    def __init__(self, scaling: DelayedScaling, grad_dtype: torch.dtype):
+        self.input = AmaxHistory(scaling, torch.float8_e4m3fn)
+        self.grad_output = AmaxHistory(scaling, grad_dtype)
