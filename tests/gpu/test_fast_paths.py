@@ -13,7 +13,8 @@
 * ``--fp8-format`` without Transformer Engine: the float8 cast-and-matmul under torch.compile
   (as fp8_linear runs it on a GPU) against the same function run eagerly; the tensorwise weight
   gradient written into ``main_grad`` (``torch._scaled_mm`` with ``out=``) against the plain
-  path's through the data-parallel buffers.
+  path's through the data-parallel buffers; delayed scaling's two Triton kernels against the
+  torch arithmetic (float8 values, scales and histories bit for bit).
 """
 
 import sys
@@ -140,6 +141,14 @@ def test_flat_adam_kernel_on_cuda(distributed, dtype, moments, lean):
           f"{'distributed' if distributed else 'plain'}: {len(got.regions)} region(s), "
           f"largest relative difference {worst:.2e}")
     assert wrong == []
+
+
+@pytest.mark.parametrize("shape,rows", [((100, 72), 112), ((8192, 2048), 8192)],
+                         ids=["off-the-blocks", "a-1.3B-activation"])
+def test_delayed_fp8_scaling_kernels_on_cuda(shape, rows):
+    from tests.unit.fp8_delayed_interpreted import mismatches
+
+    assert mismatches("cuda", shape, rows) == []
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])

@@ -4,7 +4,8 @@ small GPT of ``test_nccl_trainer``; the first microbatch of each length runs eag
 next is captured, later ones replay, so eager and replayed microbatches mix within steps).
 
 Covered: one rank in fp32 and with FP8 (``--fp8-format hybrid``: the compiled casts and
-``torch._scaled_mm`` under capture); pp 2 x vpp 2 with variable lengths (several runners per
+``torch._scaled_mm`` under capture; with ``--fp8-recipe delayed`` the amax histories each
+replay moves on); pp 2 x vpp 2 with variable lengths (several runners per
 layer in flight, one per shape); tp 2 with sequence parallelism and dropout (collectives and
 the default generator's Philox offsets under capture), and without sequence parallelism
 (attention dropout forks the graph-safe tracker's stream inside the graph); dp 2 with overlapped gradient
@@ -27,6 +28,9 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 LAYOUTS = {
     "one-rank": (1, []),
     "one-rank-fp8": (1, ["--bf16", "--fp8-format", "hybrid"]),
+    "one-rank-fp8-delayed": (1, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                                 "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo",
+                                 "max"]),
     "pp2-vpp2-variable-batched": (2, PP2_VPP2),
     "tp2-sequence-parallel-dropout": (2, ["--tensor-model-parallel-size", "2",
                                           "--sequence-parallel", *DROPOUT]),

@@ -255,6 +255,33 @@ def test_graphed_fp8_layers_cast_their_weights_in_every_replay():
     assert {id(p) for p in plain.decoder.layers.parameters()} & plain.kept
 
 
+def test_graphed_layers_with_delayed_fp8_scaling_move_their_histories_as_eager_ones():
+    """Delayed scaling's histories and scales are device state each cast moves on: a capture
+    leaves them as they were and each replay moves them, so losses, histories and gradients
+    equal the eager model's bit for bit. Two microbatches in flight: the second's forward
+    comes before any backward, so no layer is captured until its output gradients' histories
+    exist (their first cast runs eagerly)."""
+    pytest.importorskip("torchao")
+    from megatron.core.tensor_parallel.fp8_delayed import history_tensors
+
+    overrides = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=3,
+                     fp8_amax_compute_algo="max", bf16=True, params_dtype=torch.bfloat16,
+                     hidden_size=32, ffn_hidden_size=64)
+    plain, graphed = pair(**overrides)
+    graphed.bfloat16(), plain.bfloat16()
+    for step in range(3):
+        for model in (plain, graphed):
+            first, second = loss_of(model, 16, 2 * step), loss_of(model, 16, 2 * step + 1)
+            (first + second).backward()
+            model.last = (first.detach(), second.detach())
+        assert runner_count(graphed) == (0 if step == 0 else len(graphed.decoder.layers))
+        assert all(torch.equal(a, b) for a, b in zip(plain.last, graphed.last)), step
+        for a, b in zip(history_tensors(plain), history_tensors(graphed)):
+            assert torch.equal(a, b), step
+    for (name, a), (_, b) in zip(plain.named_parameters(), graphed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_a_replayed_backward_first_in_a_step_leaves_no_static_buffer_as_a_gradient():
     """With ``.grad`` unset, autograd keeps the gradient it receives; from a replay that is a
     static buffer, which the runner's next backward overwrites (seen on an H100)."""

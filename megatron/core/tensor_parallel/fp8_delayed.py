@@ -153,3 +153,24 @@ class Fp8Meta:
     def __init__(self, scaling: DelayedScaling, grad_dtype: torch.dtype):
         self.input = AmaxHistory(scaling, torch.float8_e4m3fn)
         self.grad_output = AmaxHistory(scaling, grad_dtype)
+
+
+def _histories(module: torch.nn.Module):
+    for child in module.modules():
+        meta = getattr(child, "fp8_meta", None)
+        if meta is not None:
+            yield meta.input
+            yield meta.grad_output
+
+
+def histories_started(module: torch.nn.Module) -> bool:
+    """Whether every delayed-scaling operand in ``module`` has been cast once (its state
+    exists): a CUDA graph captures the casts only then, since a first cast scales from the
+    tensor itself and makes the state, which a graph would redo at each replay."""
+    return all(history.history is not None for history in _histories(module))
+
+
+def history_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The delayed-scaling state tensors in ``module``, which each of its casts updates."""
+    return [tensor for history in _histories(module) if history.history is not None
+            for tensor in (history.history, history.scale)]

@@ -35,7 +35,9 @@ What a graph's fixed memory asks of the caller, and how this module answers:
   (seen with tensor parallelism over NCCL).
 * Host-side state a replay cannot see is not used inside: FP8 weights are cast in every
   replay instead of once per schedule call (``weights_cast_each_call``), and the
-  data-parallel flags are set by the runner (above).
+  data-parallel flags are set by the runner (above). Delayed FP8 scaling's amax histories
+  and scales are device tensors each replay moves on; a layer is captured only once each of
+  them exists (its operands cast eagerly once).
 
 Without a CUDA device (CPU tests, gloo runs) the same protocol runs with the captured
 function re-run on each replay (``RerunGraphs``), so static buffers, gradient hand-off and
@@ -52,6 +54,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron.core.tensor_parallel.fp8_delayed import histories_started, history_tensors
 from megatron.core.tensor_parallel.fp8_tensorwise import weights_cast_each_call
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -100,9 +103,9 @@ class CudaGraphs:
 class RerunGraphs:
     """The protocol without a device: a replay runs the captured function again and copies
     its results into the tensors the capture returned. The capture runs it too, with what a
-    real capture would not change restored afterwards: ``keep`` (the gradient buffers), the
-    CPU generator and the tracker's streams (a capture records dropout's draws, a replay
-    makes them)."""
+    real capture would not change restored afterwards: ``keep`` (the gradient buffers, the
+    FP8 amax histories), the CPU generator and the tracker's streams (a capture records
+    dropout's draws, a replay makes them)."""
 
     def new_pool(self):
         return None
@@ -214,11 +217,13 @@ def _donates_saved_buffers(outputs: Sequence[torch.Tensor]) -> bool:
 class _GraphRunner:
     """A layer's forward graph and its backward graph (two where weight gradients are fused
     into data-parallel buffers) for one input signature. ``forward`` runs the layer on
-    ``aliases`` of ``params`` (one each, in order)."""
+    ``aliases`` of ``params`` (one each, in order); ``state``: tensors it updates in place at
+    each call (delayed FP8 scaling's), which a capture must leave as they were."""
 
     def __init__(self, graphs, forward: Callable, values: Sequence[Any],
                  params: Sequence[torch.nn.Parameter],
-                 aliases: Sequence[torch.nn.Parameter], writing_graph: bool = True) -> None:
+                 aliases: Sequence[torch.nn.Parameter], writing_graph: bool = True,
+                 state: Sequence[torch.Tensor] = ()) -> None:
         self.busy = False
         self.params = list(params)
         self.tensor_positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -238,7 +243,8 @@ class _GraphRunner:
             self.constants = [None if isinstance(o, torch.Tensor) else o for o in output]
             return list(self._live)
 
-        self._replay_forward, self.static_outputs = graphs.capture(run_forward, pool)
+        self._replay_forward, self.static_outputs = graphs.capture(run_forward, pool,
+                                                                   keep=state)
         self.static_grad_outputs = [torch.zeros_like(o) if o.requires_grad else None
                                     for o in self.static_outputs]
         aliases = list(aliases)
@@ -263,7 +269,7 @@ class _GraphRunner:
         # share the pool, as only one runs per microbatch; the first capture keeps the
         # forward's saved tensors alive, so the second cannot place anything on them.
         # A compiled backward that donates its saved buffers runs once only: one graph.
-        keep = [p.main_grad for p in self.params if hasattr(p, "main_grad")]
+        keep = [p.main_grad for p in self.params if hasattr(p, "main_grad")] + list(state)
         two = (writing_graph and any(hasattr(a, "main_grad_is_zero") for a in aliases)
                and not _donates_saved_buffers([o for o in self._live if o.requires_grad]))
         self._backward = {False: graphs.capture(functools.partial(run_backward, False, not two),
@@ -393,6 +399,8 @@ class CudaGraphManager:
             self.graphs.release()
 
     def _may_capture(self, layer) -> bool:
+        if not histories_started(layer):  # (a pipeline's backward of it still to come)
+            return False
         if len(self.runners) >= MAX_RUNNERS_PER_LAYER:
             if not self._warned:
                 logger.warning("layer %s: %d input shapes have CUDA graphs, calls with others "
@@ -419,7 +427,8 @@ class CudaGraphManager:
         try:
             return _GraphRunner(self.graphs, forward, values, params,
                                 [aliases[id(p)] for p in params],
-                                writing_graph=not _has_dropout(layer))
+                                writing_graph=not _has_dropout(layer),
+                                state=history_tensors(layer))
         except RuntimeError as error:
             raise RuntimeError(
                 f"--enable-cuda-graph: capturing transformer layer "
