@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.fp8_delayed_kernels import kernels
 
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 _AMAX_FLOOR = 1e-12  # under a first cast's own amax, as the tensorwise casts' floor
-_BLOCK_M, _BLOCK_N = 64, 128
+_BLOCK_M, _BLOCK_N, _WARPS = 64, 128, 4  # the cast kernel's tile and warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ class AmaxHistory:
                      else out, self.scale, inverse, self.history, rows, cols,
                      out_t.shape[1] if out_t is not None else rows, LIMIT=self.limit,
                      BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, ROW_MAJOR=out is not None,
-                     TRANSPOSED=out_t is not None, num_warps=4)
+                     TRANSPOSED=out_t is not None, num_warps=_WARPS)
 
     def _launch_roll(self, kernel) -> None:
         length = self.scaling.amax_history_len
