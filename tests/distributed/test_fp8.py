@@ -31,11 +31,13 @@ def test_fp8_trains_like_bf16_at_tp2_pp2_vpp2_with_recompute(data):
         assert value == pytest.approx(bf16[iteration], rel=FP8_TOLERANCE), iteration
 
 
-def test_delayed_scaling_trains_like_bf16_at_tp2_with_sequence_parallelism(data):
+def test_delayed_scaling_trains_like_bf16_at_tp2_with_sequence_parallelism_and_recompute(data):
     """``--fp8-recipe delayed`` with upstream's history flags: the inputs and output gradients
-    cast with scales from their earlier casts (the shards' from the group's amax)."""
+    cast with scales from their earlier casts (the shards' from the group's amax); with
+    full recomputation, which recasts with the forward's scales."""
     layout = ["--bf16", "--train-iters", "6", "--tensor-model-parallel-size", "2",
-              "--sequence-parallel"]
+              "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method",
+              "uniform", "--recompute-num-layers", "1"]
     bf16 = losses(run(2, small_gpt(data, *layout)))
     delayed = losses(run(2, small_gpt(data, *layout, "--fp8-format", "hybrid", "--fp8-recipe",
                                       "delayed", "--fp8-amax-history-len", "4",

@@ -125,6 +125,34 @@ def test_each_fp8_linear_gets_its_own_state_from_the_config():
             assert history.history[3] == 0
 
 
+def test_recomputation_casts_with_the_forwards_scales_and_records_nothing():
+    """Full activation recomputation of layers with delayed scaling: two microbatches
+    checkpointed, both forwards before either backward (as a pipeline's warm-up). Their
+    recomputations cast with the forwards' scales in order, so the gradients and the
+    histories equal a run without recomputation, bit for bit."""
+    from megatron.core.tensor_parallel import checkpoint
+
+    x, w, grad = operands(8)
+    runs = []
+    for recompute in (False, True):
+        meta = Fp8Meta(DelayedScaling(2, "max"), E5M2)
+        weight = w.clone().requires_grad_()
+
+        def layer(inputs):
+            return Fp8TensorwiseMatmul.apply(inputs, weight, E5M2, True, False, False, None,
+                                             None, meta)
+
+        inputs = [(x * spread).requires_grad_() for spread in (1.0, 3.0)]
+        outputs = [checkpoint(layer, False, a) if recompute else layer(a) for a in inputs]
+        for output in outputs:
+            output.backward(grad)
+        runs.append([*outputs, *(a.grad for a in inputs), weight.grad, meta.input.history,
+                     meta.input.scale, meta.grad_output.history])
+        assert not meta.input._for_recompute  # each kept scale used once
+    for plain, recomputed in zip(*runs):
+        assert torch.equal(plain, recomputed)
+
+
 def _run_module(module: str, triton_dir, interpret: bool) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(triton_dir), str(REPO)])}
     env.pop("TRITON_INTERPRET", None)
@@ -144,3 +172,4 @@ def test_the_kernels_under_the_interpreter_equal_the_torch_arithmetic(triton_dir
 @pytest.mark.upstream
 def test_the_kernels_compile_for_hopper_in_every_variant(triton_dir):
     _run_module("tests.unit.fp8_delayed_ptx", triton_dir, interpret=False)
+

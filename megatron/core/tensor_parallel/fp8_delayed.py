@@ -16,6 +16,10 @@ microbatch, so the second pass costs little, and a weight changed by the optimiz
 for what it is now. A sequence-parallel input's amax is the maximum over the tensor-parallel
 group (its shards are gathered in float8 with one scale), reduced before the history moves.
 
+Activation recomputation casts again with the scales of the forward it recomputes, recording
+nothing (``checkpointed_phase`` / ``recompute_phase``, entered by ``tensor_parallel.checkpoint``),
+so the recomputed activations are the forward's and the history moves once per forward.
+
 An operand's first cast, with no history yet (a new run, or a resumed one: the histories are
 not saved in checkpoints, whose tensors stay the model's), is scaled from its own amax. Casts
 run as two Triton kernels on CUDA (``fp8_delayed_kernels``: cast-and-record, then the
@@ -24,6 +28,8 @@ history's update), as torch operations elsewhere, with the same float8 values an
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
@@ -66,15 +72,28 @@ class AmaxHistory:
         self.limit = torch.finfo(dtype).max
         self.history: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
+        # The scales of casts in checkpointed forwards, in order, for their recomputation.
+        self._for_recompute: collections.deque = collections.deque()
 
     def cast(self, tensor: torch.Tensor, rows: int, row_major: bool, transposed: bool,
              group: Any = None):
         """``tensor`` (2-D) in float8 with the scale of the history: row-major (or None),
         transposed with its columns padded with zeros to ``rows`` (or None), and the inverse
-        scale; its amax recorded (the maximum over ``group``) and the history moved on."""
+        scale; its amax recorded (the maximum over ``group``) and the history moved on.
+
+        Within ``recompute_phase()`` the cast is the recomputation of one in a checkpointed
+        forward (``checkpointed_phase()``), which kept its scale: cast with it again, nothing
+        recorded, so the recomputed activations are those of the forward."""
         tensor = tensor.contiguous()
         if self.history is None:
             self._start(tensor, group)
+        scale, amax = self.scale, self.history[:1]
+        if _PHASE == "recompute":
+            if not self._for_recompute:
+                raise RuntimeError("an fp8 cast is recomputed that no checkpointed forward made")
+            scale, amax = self._for_recompute.popleft(), torch.zeros_like(amax)
+        elif _PHASE == "checkpointed":
+            self._for_recompute.append(scale.clone())
         out = (torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
                if row_major else None)
         out_t = None
@@ -84,9 +103,11 @@ class AmaxHistory:
         inverse = torch.empty(1, dtype=torch.float32, device=tensor.device)
         launched = kernels() if tensor.is_cuda else None
         if launched is None:
-            self._cast_with_torch(tensor, out, out_t, inverse)
+            self._cast_with_torch(tensor, scale, amax, out, out_t, inverse)
         else:
-            self._launch_cast(launched[0], tensor, out, out_t, inverse)
+            self._launch_cast(launched[0], tensor, scale, amax, out, out_t, inverse)
+        if _PHASE == "recompute":
+            return out, out_t, inverse.reshape(())
         if group is not None and group_size(group) > 1:
             all_reduce(self.history[:1], group, op=dist.ReduceOp.MAX)
         if launched is None:
@@ -107,15 +128,14 @@ class AmaxHistory:
     # ------------------------------------------------------------ torch arithmetic
 
     @torch.no_grad()
-    def _cast_with_torch(self, tensor, out, out_t, inverse) -> None:
-        scaled = (tensor.float() * self.scale).clamp(-self.limit, self.limit).to(self.dtype)
+    def _cast_with_torch(self, tensor, scale, amax, out, out_t, inverse) -> None:
+        scaled = (tensor.float() * scale).clamp(-self.limit, self.limit).to(self.dtype)
         if out is not None:
             out.copy_(scaled)
         if out_t is not None:
             out_t[:, :tensor.shape[0]].copy_(scaled.t())
-        self.history[:1] = torch.maximum(self.history[:1],
-                                         torch.linalg.vector_norm(tensor, float("inf")).float())
-        torch.reciprocal(self.scale, out=inverse)
+        torch.maximum(amax, torch.linalg.vector_norm(tensor, float("inf")).float(), out=amax)
+        torch.reciprocal(scale, out=inverse)
 
     @torch.no_grad()
     def _roll_with_torch(self) -> None:
@@ -129,11 +149,11 @@ class AmaxHistory:
 
     # ------------------------------------------------------------ Triton kernels
 
-    def _launch_cast(self, kernel, tensor, out, out_t, inverse) -> None:
+    def _launch_cast(self, kernel, tensor, scale, amax, out, out_t, inverse) -> None:
         rows, cols = tensor.shape
         grid = (-(-rows // _BLOCK_M), -(-cols // _BLOCK_N))
         kernel[grid](tensor, out if out is not None else out_t, out_t if out_t is not None
-                     else out, self.scale, inverse, self.history, rows, cols,
+                     else out, scale, inverse, amax, rows, cols,
                      out_t.shape[1] if out_t is not None else rows, LIMIT=self.limit,
                      BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, ROW_MAJOR=out is not None,
                      TRANSPOSED=out_t is not None, num_warps=_WARPS)
@@ -153,6 +173,32 @@ class Fp8Meta:
     def __init__(self, scaling: DelayedScaling, grad_dtype: torch.dtype):
         self.input = AmaxHistory(scaling, torch.float8_e4m3fn)
         self.grad_output = AmaxHistory(scaling, grad_dtype)
+
+
+_PHASE: Optional[str] = None  # "checkpointed" or "recompute" (activation recomputation)
+
+
+@contextlib.contextmanager
+def checkpointed_phase():
+    """Within, casts are of a checkpointed forward: each keeps its scale for its
+    recomputation (Transformer Engine keeps its scaling state for recompute likewise)."""
+    yield from _phase("checkpointed")
+
+
+@contextlib.contextmanager
+def recompute_phase():
+    """Within, casts recompute those of checkpointed forwards, in the same order, with their
+    scales, recording nothing."""
+    yield from _phase("recompute")
+
+
+def _phase(phase: str):
+    global _PHASE
+    outer, _PHASE = _PHASE, phase
+    try:
+        yield
+    finally:
+        _PHASE = outer
 
 
 def _histories(module: torch.nn.Module):

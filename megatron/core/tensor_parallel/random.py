@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megatron.core.tensor_parallel.collectives import group_rank
+from megatron.core.tensor_parallel.fp8_delayed import checkpointed_phase, recompute_phase
 from megatron.core.tensor_parallel.utils import (
     gather_split_1d_tensor,
     resolve_tp_group,
@@ -303,7 +304,7 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.function = function
         ctx.rng = _RNGSnapshot()
         ctx.autocast = _AutocastSnapshot()
-        with torch.no_grad():
+        with torch.no_grad(), checkpointed_phase():
             outputs = function(*args)
 
         tensor_positions = [i for i, arg in enumerate(args) if torch.is_tensor(arg)]
@@ -337,7 +338,7 @@ class _CheckpointFunction(torch.autograd.Function):
         outer = _RNGSnapshot()
         ctx.rng.restore()
         try:
-            with torch.enable_grad(), ctx.autocast.applied():
+            with torch.enable_grad(), ctx.autocast.applied(), recompute_phase():
                 outputs = ctx.function(*args)
         finally:
             outer.restore()
