@@ -151,6 +151,9 @@ def test_recomputation_casts_with_the_forwards_scales_and_records_nothing():
         assert not meta.input._for_recompute  # each kept scale used once
     for plain, recomputed in zip(*runs):
         assert torch.equal(plain, recomputed)
+    with torch.no_grad():  # no backward will recompute it: nothing kept
+        checkpoint(layer, False, x)
+    assert not meta.input._for_recompute
 
 
 def _run_module(module: str, triton_dir, interpret: bool) -> None:

@@ -300,11 +300,12 @@ class _CheckpointFunction(torch.autograd.Function):
     """Run ``function`` without keeping activations; rerun it with the same RNG in backward."""
 
     @staticmethod
-    def forward(ctx, function, distribute_saved_activations, tp_group, *args):
+    def forward(ctx, function, distribute_saved_activations, tp_group, will_recompute, *args):
         ctx.function = function
         ctx.rng = _RNGSnapshot()
         ctx.autocast = _AutocastSnapshot()
-        with torch.no_grad(), checkpointed_phase():
+        phase = checkpointed_phase() if will_recompute else contextlib.nullcontext()
+        with torch.no_grad(), phase:
             outputs = function(*args)
 
         tensor_positions = [i for i, arg in enumerate(args) if torch.is_tensor(arg)]
@@ -353,7 +354,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         input_grads = tuple(arg.grad if torch.is_tensor(arg) else None for arg in args)
-        return (None, None, None) + input_grads
+        return (None, None, None, None) + input_grads
 
 
 def checkpoint(
@@ -373,4 +374,8 @@ def checkpoint(
             f"tensor; got {type(args[0]).__name__ if args else 'no arguments'}"
         )
     group = resolve_tp_group(tp_group) if distribute_saved_activations else None
-    return _CheckpointFunction.apply(function, distribute_saved_activations, group, *args)
+    # Only a forward autograd records is recomputed (its backward runs it again).
+    will_recompute = torch.is_grad_enabled() and any(
+        torch.is_tensor(arg) and arg.requires_grad for arg in args)
+    return _CheckpointFunction.apply(function, distribute_saved_activations, group,
+                                     will_recompute, *args)
