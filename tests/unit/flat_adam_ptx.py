@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from megatron.core.optimizer.flat_adam_kernel import triton_kernel
+from tests.support.triton_ptx import compile_variants
 
 POINTER = {"fp32": "*fp32", "fp16": "*fp16", "fp8": "*fp8e4nv", "bf16": "*bf16"}
 # (exp_avg, exp_avg_sq, gradients, main parameters)
@@ -20,7 +17,7 @@ VARIANTS = [("fp32", "fp32", "fp32", "fp32"), ("fp16", "fp16", "fp32", "fp32"),
 
 
 def main() -> int:
-    failed = False
+    variants = []
     for exp_avg, exp_avg_sq, grad, main_dtype in VARIANTS:
         for amax_only in (True, False):
             signature = {
@@ -33,19 +30,10 @@ def main() -> int:
             constexprs = {"BLOCK": 4096, "FULL": False, "MAIN_FP16": main_dtype == "fp16",
                           "M_SCALED": exp_avg != "fp32", "V_SCALED": exp_avg_sq != "fp32",
                           "V_FP8": exp_avg_sq == "fp8", "AMAX_ONLY": amax_only}
-            signature.update({name: "constexpr" for name in constexprs})
             name = (f"moments {exp_avg}/{exp_avg_sq}, gradients {grad}, mains {main_dtype}, "
                     f"{'largest magnitudes' if amax_only else 'update'}")
-            try:
-                compiled = triton.compile(ASTSource(fn=triton_kernel(), signature=signature,
-                                                    constexprs=constexprs),
-                                          target=GPUTarget("cuda", 90, 32),
-                                          options={"num_warps": 8})
-                print(f"{name}: {len(compiled.asm['ptx'])} bytes of PTX")
-            except Exception as error:  # noqa: BLE001 - reported per variant
-                print(f"{name}: FAILED: {str(error).splitlines()[0]}")
-                failed = True
-    return 1 if failed else 0
+            variants.append((name, triton_kernel(), signature, constexprs, 8))
+    return compile_variants(variants)
 
 
 if __name__ == "__main__":

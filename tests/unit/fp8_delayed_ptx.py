@@ -7,18 +7,8 @@ from __future__ import annotations
 
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from megatron.core.tensor_parallel.fp8_delayed_kernels import kernels
-
-
-def _compile(fn, signature: dict, constexprs: dict) -> int:
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return len(compiled.asm["ptx"])
+from tests.support.triton_ptx import compile_variants
 
 
 def main() -> int:
@@ -32,20 +22,14 @@ def main() -> int:
             constexprs = {"LIMIT": limit, "BLOCK_M": 64, "BLOCK_N": 128,
                           "ROW_MAJOR": layouts[0], "TRANSPOSED": layouts[1]}
             variants.append((f"cast to {fp8}, row-major/transposed {layouts}", cast_kernel,
-                             signature, constexprs))
+                             signature, constexprs, 4))
     for use_max, length, block in ((False, 1, 16), (True, 1024, 1024)):
         variants.append((f"history of {length}, {'max' if use_max else 'most recent'}",
                          roll_kernel, {"history_ptr": "*fp32", "scale_ptr": "*fp32",
                                        "margin_factor": "fp32"},
-                         {"LIMIT": 448.0, "LENGTH": length, "BLOCK": block, "USE_MAX": use_max}))
-    failed = False
-    for name, fn, signature, constexprs in variants:
-        try:
-            print(f"{name}: {_compile(fn, signature, constexprs)} bytes of PTX")
-        except Exception as error:  # noqa: BLE001 - reported per variant
-            print(f"{name}: FAILED: {str(error).splitlines()[0]}")
-            failed = True
-    return 1 if failed else 0
+                         {"LIMIT": 448.0, "LENGTH": length, "BLOCK": block, "USE_MAX": use_max},
+                         4))
+    return compile_variants(variants)
 
 
 if __name__ == "__main__":
