@@ -4,9 +4,10 @@ Run by ``test_flat_adam.py`` in a fresh interpreter with ``TRITON_INTERPRET=1`` 
 install on ``PYTHONPATH``. Both sides get the same random gradients (and a gradient scale) for
 four steps (one skipped by ``found_inf``), plain and sharded over the buckets, for bf16 and
 fp16 weights, with fp32 moments and with scaled fp16 ones; prints one line per case and exits
-1 on a mismatch. The interpreter truncates fp32 to half precision where GPUs round, so the written weights and
-scaled moments are held to one step of their precision rather than to equality; its fp8
-conversions go through torch's (``exact_float8_conversions``: the interpreter's own are off).
+1 on a mismatch. The interpreter truncates fp32 to half precision where GPUs round, so the
+written weights and scaled moments are held to one step of their precision rather than to
+equality; its fp8 conversions go through torch's (``exact_float8_conversions``: the
+interpreter's own are off).
 ``run`` and ``mismatches`` also serve the same check on a GPU (tests/gpu/test_fast_paths.py).
 """
 
