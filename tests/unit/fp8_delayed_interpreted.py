@@ -34,12 +34,13 @@ def _cast(history: AmaxHistory, tensor, rows: int, row_major: bool, transposed: 
     out_t = (torch.zeros(tensor.shape[1], rows, dtype=history.dtype, device=device)
              if transposed else None)
     inverse = torch.empty(1, device=device)
+    scale, amax = history.scale, history.history[:1]
     if with_kernels:
         cast_kernel, roll_kernel = kernels()
-        history._launch_cast(cast_kernel, tensor, out, out_t, inverse)
+        history._launch_cast(cast_kernel, tensor, scale, amax, out, out_t, inverse)
         history._launch_roll(roll_kernel)
     else:
-        history._cast_with_torch(tensor, out, out_t, inverse)
+        history._cast_with_torch(tensor, scale, amax, out, out_t, inverse)
         history._roll_with_torch()
     return out, out_t, inverse
 

@@ -120,6 +120,7 @@ def test_the_flat_adam_takes_the_iterations_verdict_as_found_inf(device, monkeyp
                     for pair in batches(1, torch.bfloat16, seed=seed)])
     destroy_rerun_state_machine()
     model, optimizer = build(True, device=device, **LEAN)
+    optimizer.statistics_on_device = True  # as the trainer's step: the norm is read when logged
     events, handed = [], []
     step = FlatAdamW.step
 
