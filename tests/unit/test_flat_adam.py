@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
-from tests.unit.test_optimizer_single import LR, WD, Dense, _Timeline, batches, ddp, max_diff, \
-    train_step
+from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+from tests.unit.test_optimizer_single import LR, WD, Dense, _iteration_judged_at_update, \
+    batches, ddp, max_diff, train_step
 
 
 def build(flat: bool, dtype=torch.bfloat16, distributed=False, clip_grad=0.1, seed=0,
@@ -90,20 +90,6 @@ LEAN = dict(moments=(torch.float16, torch.float16), main_grads=torch.bfloat16,
             main_params=torch.float16)
 
 
-def _judged_iteration(model, optimizer, seed: int, nan_loss: bool, events: list, device: str):
-    """One iteration in the rerun machine's loop (mode ``disabled``), a loss check deferred as
-    pretrain_gpt's; the host reads of the step recorded among ``events``."""
-    machine = get_rerun_state_machine()
-    assert machine.should_run_forward_backward(None)
-    loss = torch.tensor(float("nan") if nan_loss else 1.0, device=device)
-    machine.validate_result(result=loss, rejection_func=torch.isnan, fatal=True,
-                            message="found NaN in local forward loss")
-    batch = [tuple(t.to(device) for t in pair) for pair in batches(1, torch.bfloat16, seed=seed)]
-    with _Timeline(events):
-        train_step(model, optimizer, batch)
-        assert not machine.should_run_forward_backward(None)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_the_flat_adam_takes_the_iterations_verdict_as_found_inf(device, monkeypatch):
     """As torch's fused Adam, the flat Adam (fp16 moments and main parameters) gets the
@@ -132,7 +118,8 @@ def test_the_flat_adam_takes_the_iterations_verdict_as_found_inf(device, monkeyp
     monkeypatch.setattr(FlatAdamW, "step", recorded)
     for seed in range(3):
         events.clear()
-        _judged_iteration(model, optimizer, seed, False, events, device)
+        _iteration_judged_at_update(model, optimizer, seed, False, events, device,
+                                    torch.bfloat16)
         if seed > 0:  # the first step judged them at the schedule's end, before it said so
             assert handed[-1].item() == 0.0
             if device == "cuda":  # (on CPU the torch arithmetic clips after reading the norm)
@@ -146,7 +133,7 @@ def test_the_flat_adam_takes_the_iterations_verdict_as_found_inf(device, monkeyp
     flat.settle()
     events.clear()
     with pytest.raises(RuntimeError, match="Unexpected result nan .*found NaN in local forward"):
-        _judged_iteration(model, optimizer, 3, True, events, device)
+        _iteration_judged_at_update(model, optimizer, 3, True, events, device, torch.bfloat16)
     assert handed[-1].item() == 1.0
     if device == "cuda":
         assert events[:2] == ["update", "read"]

@@ -316,7 +316,7 @@ def test_a_clip_handed_to_fused_adam_reads_nothing_back_with_statistics_on_devic
 
 
 def _iteration_judged_at_update(model, optimizer, seed: int, nan_loss: bool, events: list,
-                                device: str):
+                                device: str, dtype=torch.float32):
     """One iteration inside the rerun machine's loop (mode ``disabled``), a loss check
     deferred as pretrain_gpt's, the buckets' NaN check on; the events of the step recorded."""
     machine = get_rerun_state_machine()
@@ -326,7 +326,8 @@ def _iteration_judged_at_update(model, optimizer, seed: int, nan_loss: bool, eve
                             message="found NaN in local forward loss")
     with _Timeline(events):
         train_step(model, optimizer,
-                   [tuple(t.to(device) for t in batch) for batch in batches(1, seed=seed)])
+                   [tuple(t.to(device) for t in batch)
+                    for batch in batches(1, dtype, seed=seed)])
         assert not machine.should_run_forward_backward(None)
 
 
