@@ -21,9 +21,10 @@ nothing (``checkpointed_phase`` / ``recompute_phase``, entered by ``tensor_paral
 so the recomputed activations are the forward's and the history moves once per forward.
 
 An operand's first cast, with no history yet (a new run, or a resumed one: the histories are
-not saved in checkpoints, whose tensors stay the model's), is scaled from its own amax. Casts
-run as two Triton kernels on CUDA (``fp8_delayed_kernels``: cast-and-record, then the
-history's update), as torch operations elsewhere, with the same float8 values and scales.
+not saved in checkpoints, whose tensors stay the model's), is scaled from its own amax. A cast
+is one Triton launch on CUDA (``fp8_delayed_kernels``: cast, record, and the history's update
+by the last program; a sequence-parallel one reduces the amax between the cast and a second
+launch for the update), torch operations elsewhere, with the same float8 values and scales.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.collectives import all_reduce, group_size
-from megatron.core.tensor_parallel.fp8_delayed_kernels import kernels
 
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 _AMAX_FLOOR = 1e-12  # under a first cast's own amax, as the tensorwise casts' floor
@@ -62,6 +63,17 @@ class DelayedScaling:
                              f"{self.amax_compute_algo!r}")
 
 
+@functools.lru_cache(maxsize=1)
+def kernels():
+    """(cast_recording_amax, roll_history) from ``fp8_delayed_kernels``, compiled at their
+    first launch; None without Triton (the casts then run as torch operations)."""
+    try:
+        from megatron.core.tensor_parallel import fp8_delayed_kernels
+    except ImportError:
+        return None
+    return fp8_delayed_kernels.cast_recording_amax, fp8_delayed_kernels.roll_history
+
+
 class AmaxHistory:
     """One operand's scaling state: ``history`` (fp32, newest first; entry 0 is what the
     current cast records into, cleared after) and ``scale``, both made on the device of the
@@ -72,6 +84,7 @@ class AmaxHistory:
         self.limit = torch.finfo(dtype).max
         self.history: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
+        self.finished: Optional[torch.Tensor] = None
         # The scales of casts in checkpointed forwards, in order, for their recomputation.
         self._for_recompute: collections.deque = collections.deque()
 
@@ -101,25 +114,29 @@ class AmaxHistory:
             out_t = (torch.zeros if rows > tensor.shape[0] else torch.empty)(
                 tensor.shape[1], rows, dtype=self.dtype, device=tensor.device)
         inverse = torch.empty(1, dtype=torch.float32, device=tensor.device)
+        recording = _PHASE != "recompute"
+        grouped = group is not None and group_size(group) > 1
         launched = kernels() if tensor.is_cuda else None
         if launched is None:
             self._cast_with_torch(tensor, scale, amax, out, out_t, inverse)
-        else:
-            self._launch_cast(launched[0], tensor, scale, amax, out, out_t, inverse)
-        if _PHASE == "recompute":
-            return out, out_t, inverse.reshape(())
-        if group is not None and group_size(group) > 1:
-            all_reduce(self.history[:1], group, op=dist.ReduceOp.MAX)
-        if launched is None:
-            self._roll_with_torch()
-        else:
-            self._launch_roll(launched[1])
+        else:  # the roll in the cast's launch, unless the amax is reduced over a group first
+            self._launch_cast(launched[0], tensor, scale, amax, out, out_t, inverse,
+                              roll=recording and not grouped)
+        if recording and (grouped or launched is None):
+            if grouped:
+                all_reduce(self.history[:1], group, op=dist.ReduceOp.MAX)
+            if launched is None:
+                self._roll_with_torch()
+            else:
+                self._launch_roll(launched[1])
         return out, out_t, inverse.reshape(())
 
     def _start(self, tensor: torch.Tensor, group: Any) -> None:
         """The state, the first scale from the tensor's own amax (over ``group``)."""
         self.history = torch.zeros(self.scaling.amax_history_len, dtype=torch.float32,
                                    device=tensor.device)
+        # The cast kernel's count of finished programs (zero between launches).
+        self.finished = torch.zeros(1, dtype=torch.int32, device=tensor.device)
         amax = torch.linalg.vector_norm(tensor, float("inf")).float().reshape(1)
         if group is not None and group_size(group) > 1:
             amax = all_reduce(amax, group, op=dist.ReduceOp.MAX)
@@ -149,21 +166,28 @@ class AmaxHistory:
 
     # ------------------------------------------------------------ Triton kernels
 
-    def _launch_cast(self, kernel, tensor, scale, amax, out, out_t, inverse) -> None:
+    def _launch_cast(self, kernel, tensor, scale, amax, out, out_t, inverse,
+                     roll: bool) -> None:
         rows, cols = tensor.shape
         grid = (-(-rows // _BLOCK_M), -(-cols // _BLOCK_N))
         kernel[grid](tensor, out if out is not None else out_t, out_t if out_t is not None
-                     else out, scale, inverse, amax, rows, cols,
-                     out_t.shape[1] if out_t is not None else rows, LIMIT=self.limit,
-                     BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, ROW_MAJOR=out is not None,
-                     TRANSPOSED=out_t is not None, num_warps=_WARPS)
+                     else out, scale, inverse, amax, self.finished, rows, cols,
+                     out_t.shape[1] if out_t is not None else rows, self._margin_factor(),
+                     LIMIT=self.limit, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                     ROW_MAJOR=out is not None, TRANSPOSED=out_t is not None, ROLL=roll,
+                     **self._roll_constants("HISTORY_BLOCK"), num_warps=_WARPS)
 
     def _launch_roll(self, kernel) -> None:
+        kernel[(1,)](self.history, self.scale, self._margin_factor(), LIMIT=self.limit,
+                     **self._roll_constants("BLOCK"), num_warps=4)
+
+    def _margin_factor(self) -> float:
+        return float(2.0 ** self.scaling.margin)
+
+    def _roll_constants(self, block_name: str) -> dict:
         length = self.scaling.amax_history_len
-        kernel[(1,)](self.history, self.scale, float(2.0 ** self.scaling.margin),
-                     LIMIT=self.limit, LENGTH=length,
-                     BLOCK=max(16, 1 << (length - 1).bit_length()),
-                     USE_MAX=self.scaling.amax_compute_algo == "max", num_warps=4)
+        return {"LENGTH": length, block_name: max(16, 1 << (length - 1).bit_length()),
+                "USE_MAX": self.scaling.amax_compute_algo == "max"}
 
 
 class Fp8Meta:
@@ -219,4 +243,4 @@ def histories_started(module: torch.nn.Module) -> bool:
 def history_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """The delayed-scaling state tensors in ``module``, which each of its casts updates."""
     return [tensor for history in _histories(module) if history.history is not None
-            for tensor in (history.history, history.scale)]
+            for tensor in (history.history, history.scale, history.finished)]
