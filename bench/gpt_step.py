@@ -727,7 +727,10 @@ def main(argv=None) -> int:
         result["tokens_per_s"] = result.get("real_tokens_per_step", tokens) / result["step_s"]
         result["flops"] = result.get("real_flops_per_step", flops)
         result["mfu"] = result["flops"] / result["step_s"] / (args.peak_tflops * 1e12)
-        print(f"{worker:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
+        # ':eager' names the bench's own variant (no whole-step graph); trainer flags shown.
+        label = (f"{worker} [{args.trainer_args}]" if worker.startswith("trainer")
+                 and args.trainer_args else worker)
+        print(f"{label:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
               f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
               f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  "
               f"MFU {100 * result['mfu']:5.1f}%  "
