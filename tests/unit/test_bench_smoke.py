@@ -92,8 +92,9 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
     assert re.search(r"^bf16's own runs: final losses \d\.\d{4}, \d\.\d{4} \(spread",
                      done.stdout, re.MULTILINE), done.stdout
     for name in ("fp8/bf16", "lean-state/bf16"):
-        assert re.search(rf"^{name} final loss = \d\.\d{{4}} \+- \d\.\d{{4}} \(target within "
-                         r"[\d.]+%; (met|MISSED|unresolved)", done.stdout, re.MULTILINE), done.stdout
+        pattern = (rf"^{name} final loss = \d\.\d{{4}} \+- \d\.\d{{4}} \(target within "
+                   r"[\d.]+%; (met|MISSED|unresolved)")
+        assert re.search(pattern, done.stdout, re.MULTILINE), done.stdout
     assert png.stat().st_size > 0
     recorded = json.loads(png.with_suffix(".json").read_text())
     assert sorted(recorded) == [f"{name}#{r}" for name in ("bf16", "fp8", "lean-state")

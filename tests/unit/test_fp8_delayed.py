@@ -1,10 +1,12 @@
 """Delayed FP8 scaling (``--fp8-recipe delayed``, fp8_delayed): the scale an operand is cast with
-comes from the amaxes its earlier casts recorded, as upstream's flags describe; the first cast
-is the tensorwise one; the layers each get their own state; the Triton kernels equal the torch
-arithmetic (under Triton's CPU interpreter and compiled for Hopper, tests marked upstream)."""
+comes from the amaxes its earlier casts recorded, as upstream's flags describe, weights
+included; the first cast is the tensorwise one; the layers each get their own state; the
+Triton kernels equal the torch arithmetic (under Triton's CPU interpreter and compiled for
+Hopper, tests marked upstream)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -94,6 +96,37 @@ def test_the_first_microbatch_is_the_tensorwise_one_then_the_history_scales(fmt)
     assert torch.equal(second.reshape(-1, 48), expected)
 
 
+def test_a_weight_is_cast_once_per_schedule_call_with_its_earlier_amaxes_scale():
+    """Weights are scaled from their history too, as in Transformer Engine. Within
+    ``weights_unchanged()`` (one forward-backward schedule call) a weight is cast once for
+    every microbatch, so its history moves once per call; the next call casts the weight the
+    optimizer changed with the scale of the amax recorded before."""
+    from megatron.core.tensor_parallel.fp8_tensorwise import _steps, _weight_casts, \
+        weights_unchanged
+
+    x, w, grad = operands(8)
+    meta = Fp8Meta(DelayedScaling(2, "max"), E5M2)
+    weight = w.clone().requires_grad_()
+    with weights_unchanged():
+        for spread in (1.0, 2.0, 3.0):
+            Fp8TensorwiseMatmul.apply(x * spread, weight, E5M2, True, False, False, None,
+                                      None, meta).backward(grad)
+    amax = w.float().abs().max()
+    assert torch.equal(meta.weight.history, torch.stack([torch.tensor(0.0), amax]))
+    assert torch.equal(meta.input.history[1], (x * 3.0).float().abs().max())  # per microbatch
+    with torch.no_grad():
+        weight.mul_(2.0)  # the optimizer's update
+    with weights_unchanged():
+        casts = _weight_casts(weight, _steps(False), meta)
+        assert _weight_casts(weight, _steps(False), meta) is casts  # kept for the call
+    scale = 448.0 / amax
+    assert torch.equal(casts.weight8.view(torch.uint8),
+                       _to_float8(weight.detach(), scale, E4M3).view(torch.uint8))
+    assert torch.equal(casts.weight8_t.view(torch.uint8), casts.weight8.t().view(torch.uint8))
+    assert torch.equal(casts.inverse, scale.reciprocal())
+    assert torch.equal(meta.weight.history, torch.stack([torch.tensor(0.0), 2 * amax]))
+
+
 def test_each_fp8_linear_gets_its_own_state_from_the_config():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -120,17 +153,21 @@ def test_each_fp8_linear_gets_its_own_state_from_the_config():
     for _ in range(2):
         model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).sum().backward()
     for meta in metas:  # two casts recorded, each history moved on
-        for history in (meta.input, meta.grad_output):
+        for history in (meta.input, meta.weight, meta.grad_output):
             assert history.history[0] == 0 and (history.history[1:3] > 0).all()
             assert history.history[3] == 0
 
 
-def test_recomputation_casts_with_the_forwards_scales_and_records_nothing():
+@pytest.mark.parametrize("kept", [False, True], ids=["weights-cast-each-forward",
+                                                   "weights-kept-for-the-call"])
+def test_recomputation_casts_with_the_forwards_scales_and_records_nothing(kept):
     """Full activation recomputation of layers with delayed scaling: two microbatches
     checkpointed, both forwards before either backward (as a pipeline's warm-up). Their
     recomputations cast with the forwards' scales in order, so the gradients and the
-    histories equal a run without recomputation, bit for bit."""
+    histories equal a run without recomputation, bit for bit; within ``weights_unchanged()``
+    the recomputation reuses the weight's kept casts."""
     from megatron.core.tensor_parallel import checkpoint
+    from megatron.core.tensor_parallel.fp8_tensorwise import weights_unchanged
 
     x, w, grad = operands(8)
     runs = []
@@ -143,12 +180,15 @@ def test_recomputation_casts_with_the_forwards_scales_and_records_nothing():
                                              None, meta)
 
         inputs = [(x * spread).requires_grad_() for spread in (1.0, 3.0)]
-        outputs = [checkpoint(layer, False, a) if recompute else layer(a) for a in inputs]
-        for output in outputs:
-            output.backward(grad)
+        with weights_unchanged() if kept else contextlib.nullcontext():
+            outputs = [checkpoint(layer, False, a) if recompute else layer(a) for a in inputs]
+            for output in outputs:
+                output.backward(grad)
         runs.append([*outputs, *(a.grad for a in inputs), weight.grad, meta.input.history,
-                     meta.input.scale, meta.grad_output.history])
-        assert not meta.input._for_recompute  # each kept scale used once
+                     meta.input.scale, meta.weight.history, meta.weight.scale,
+                     meta.grad_output.history])
+        # Each kept scale used once.
+        assert not meta.input._for_recompute and not meta.weight._for_recompute
     for plain, recomputed in zip(*runs):
         assert torch.equal(plain, recomputed)
     with torch.no_grad():  # no backward will recompute it: nothing kept

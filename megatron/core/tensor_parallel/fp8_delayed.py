@@ -10,11 +10,12 @@ scale is ``fp8_max / amax / 2**margin``; an all-zero or non-finite amax keeps th
 history moves on at every cast (each microbatch's forward for the inputs, each backward for
 the output gradients), as Transformer Engine updates its scales after each forward and backward.
 
-Here the layers' inputs and output gradients are scaled so. The weights keep the scale of
-their own amax (``fp8_tensorwise``): they are cast once per forward-backward call, not per
-microbatch, so the second pass costs little, and a weight changed by the optimizer is scaled
-for what it is now. A sequence-parallel input's amax is the maximum over the tensor-parallel
-group (its shards are gathered in float8 with one scale), reduced before the history moves.
+Here every operand of the layers' float8 matmuls is scaled so, as in Transformer Engine: the
+input and the output gradient at each cast, the weight at its one cast per forward-backward
+call (kept for that call's microbatches, so its history moves once per step). A
+sequence-parallel input's amax is the maximum over the tensor-parallel group (its shards are
+gathered in float8 with one scale), reduced before the history moves; a weight shard's is its
+own.
 
 Activation recomputation casts again with the scales of the forward it recomputes, recording
 nothing (``checkpointed_phase`` / ``recompute_phase``, entered by ``tensor_parallel.checkpoint``),
@@ -89,23 +90,25 @@ class AmaxHistory:
         self._for_recompute: collections.deque = collections.deque()
 
     def cast(self, tensor: torch.Tensor, rows: int, row_major: bool, transposed: bool,
-             group: Any = None):
+             group: Any = None, phased: bool = True):
         """``tensor`` (2-D) in float8 with the scale of the history: row-major (or None),
         transposed with its columns padded with zeros to ``rows`` (or None), and the inverse
         scale; its amax recorded (the maximum over ``group``) and the history moved on.
 
         Within ``recompute_phase()`` the cast is the recomputation of one in a checkpointed
         forward (``checkpointed_phase()``), which kept its scale: cast with it again, nothing
-        recorded, so the recomputed activations are those of the forward."""
+        recorded, so the recomputed activations are those of the forward. Not ``phased``, the
+        cast ignores the phases (a weight's cast kept for the recomputation to reuse)."""
         tensor = tensor.contiguous()
         if self.history is None:
             self._start(tensor, group)
         scale, amax = self.scale, self.history[:1]
-        if _PHASE == "recompute":
+        phase = _PHASE if phased else None
+        if phase == "recompute":
             if not self._for_recompute:
                 raise RuntimeError("an fp8 cast is recomputed that no checkpointed forward made")
             scale, amax = self._for_recompute.popleft(), torch.zeros_like(amax)
-        elif _PHASE == "checkpointed":
+        elif phase == "checkpointed":
             self._for_recompute.append(scale.clone())
         out = (torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
                if row_major else None)
@@ -114,7 +117,7 @@ class AmaxHistory:
             out_t = (torch.zeros if rows > tensor.shape[0] else torch.empty)(
                 tensor.shape[1], rows, dtype=self.dtype, device=tensor.device)
         inverse = torch.empty(1, dtype=torch.float32, device=tensor.device)
-        recording = _PHASE != "recompute"
+        recording = phase != "recompute"
         grouped = group is not None and group_size(group) > 1
         launched = kernels() if tensor.is_cuda else None
         if launched is None:
@@ -191,11 +194,12 @@ class AmaxHistory:
 
 
 class Fp8Meta:
-    """A linear's delayed-scaling state: its input's and its output gradient's histories
-    (Transformer Engine calls a module's scaling state its fp8 meta)."""
+    """A linear's delayed-scaling state: its input's, its weight's and its output gradient's
+    histories (Transformer Engine calls a module's scaling state its fp8 meta)."""
 
     def __init__(self, scaling: DelayedScaling, grad_dtype: torch.dtype):
         self.input = AmaxHistory(scaling, torch.float8_e4m3fn)
+        self.weight = AmaxHistory(scaling, torch.float8_e4m3fn)
         self.grad_output = AmaxHistory(scaling, grad_dtype)
 
 
@@ -229,8 +233,7 @@ def _histories(module: torch.nn.Module):
     for child in module.modules():
         meta = getattr(child, "fp8_meta", None)
         if meta is not None:
-            yield meta.input
-            yield meta.grad_output
+            yield from (meta.input, meta.weight, meta.grad_output)
 
 
 def histories_started(module: torch.nn.Module) -> bool:

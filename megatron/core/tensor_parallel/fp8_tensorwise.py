@@ -204,6 +204,21 @@ def _keep(weight: torch.Tensor, fields) -> _WeightCasts:
     return casts
 
 
+def _weight_casts(weight: torch.Tensor, steps: _Steps, meta) -> _WeightCasts:
+    """The weight's casts: kept ones, else made now (from its own amax, or with ``meta``'s
+    delayed scaling from its history) and kept."""
+    casts = _cached(weight)
+    if casts is not None:
+        return casts
+    if meta is None:
+        return _keep(weight, steps.cast_weight(weight))
+    # Kept casts serve the recomputation of a checkpointed forward (the cast is not phased:
+    # it records once per weight); uncached, the recomputation casts again with the scale
+    # the forward's cast used, as an input's does.
+    return _keep(weight, meta.weight.cast(weight, weight.shape[0], True, True,
+                                          phased=_CACHE is None))
+
+
 def _transposed_bits(tensor8: torch.Tensor, rows: int) -> torch.Tensor:
     """A 2-D float8 tensor transposed, its columns padded with zeros to ``rows`` (float8 zero
     is all bits clear; copied as bytes)."""
@@ -239,8 +254,8 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         flat = input_.reshape(-1, input_.shape[-1])
         rows = _padded(flat.shape[0])
         casts = _cached(weight)
-        if meta is not None:  # delayed scaling of the input and the output gradient
-            casts = casts or _keep(weight, steps.cast_weight(weight))
+        if meta is not None:  # delayed scaling of every operand
+            casts = _weight_casts(weight, steps, meta)
             input8, input8_t, input_inverse = meta.input.cast(flat, rows, True, wgrad_fp8)
             output = torch._scaled_mm(input8, casts.weight8.t(), input_inverse, casts.inverse,
                                       bias=bias, out_dtype=input_.dtype, use_fast_accum=True)
@@ -316,7 +331,7 @@ class Fp8SequenceParallelMatmul(torch.autograd.Function):
     def forward(ctx, shard, weight, grad_dtype, fuse_wgrad, compiled, group, bias=None,
                 meta=None):
         steps = _steps(compiled)
-        casts = _cached(weight) or _keep(weight, steps.cast_weight(weight))
+        casts = _weight_casts(weight, steps, meta)
         if meta is not None:  # one scale over the group: its histories hold the group's amax
             shard8, _, input_inverse = meta.input.cast(
                 shard.reshape(-1, shard.shape[-1]), 0, True, False, group=group)

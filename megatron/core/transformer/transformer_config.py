@@ -264,7 +264,7 @@ class TransformerConfig(ModelParallelConfig):
 
     fp8_recipe: str = "tensorwise"
     """How fp8 operands are scaled: 'tensorwise' (per tensor, from its own amax), 'delayed'
-    (inputs and output gradients from the amax history of their earlier casts: fp8_delayed)
+    (every operand from the amax history of its earlier casts: fp8_delayed)
     or 'rowwise' (torchao's, per row)."""
 
     fp8_margin: int = 0

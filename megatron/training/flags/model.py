@@ -164,9 +164,10 @@ class TransformerEngineArgs:
         choices=("e4m3", "hybrid"))
     fp8_recipe: str = option(
         "tensorwise", "how fp8 operands are scaled: tensorwise (one scale per tensor, from its "
-        "own amax), delayed (inputs and output gradients from the amaxes of their earlier "
-        "casts, upstream's default recipe: one pass over each instead of two) or rowwise "
-        "(torchao's, per row, power-of-two scales)", choices=("tensorwise", "delayed", "rowwise"))
+        "own amax), delayed (inputs, weights and output gradients from the amaxes of their "
+        "earlier casts, upstream's default recipe: one pass over each instead of two) or "
+        "rowwise (torchao's, per row, power-of-two scales)",
+        choices=("tensorwise", "delayed", "rowwise"))
     fp8_margin: int = option(0, "--fp8-recipe delayed: scales are divided by 2**margin")
     fp8_interval: int = option(1, "", accepted=_INTERVAL)
     fp8_amax_history_len: int = option(
