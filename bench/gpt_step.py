@@ -35,7 +35,8 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
 ``--torch-compile`` adds compiled variants of ours and plain torch, ``--cuda-graph`` variants
 whose forward and backward replay CUDA graphs (the most graphs can save in host work). Each
 implementation runs in its own process; the step time is the median of ``--steps`` steps after
-``--warmup``.
+``--warmup``; with ``--rounds N`` every row runs N times, interleaved, and is rated by its median
+round (rows of separate commands drifted by up to 4% on one GPU).
 Tokens/s and MFU use megatron.training.flops (Megatron's formula) against ``--peak-tflops``.
 ``--quick`` (a tiny shape, two steps) checks that rows run; on a CPU it runs the trainer rows
 over gloo (the suite does), and measures nothing.
@@ -137,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "folder, with the GPU's busy time and its idle gaps by the kernel "
                              "that ended each, by the host operators that launched it and by "
                              "the host wait (a synchronization) that ended inside the gap")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the rows this many times, interleaved (each row, then each "
+                        "again), and rate each row by its median round: the GPU's drift "
+                        "between rows weighs less (default 1)")
     parser.add_argument("--microbatches", type=int, default=1,
                         help="micro-batches per step of the trainer rows (default 1; the "
                              "other rows step after each)")
@@ -154,8 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "there, over gloo): checks that the rows run, measures nothing")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.microbatches < 1:
-        parser.error(f"--microbatches must be at least 1, got {args.microbatches}")
+    for flag in ("microbatches", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.quick:
         args.num_layers, args.hidden_size, args.num_attention_heads = 2, 64, 4
         args.seq_length, args.vocab_size, args.micro_batch_size = 64, 128, 2
@@ -682,6 +688,15 @@ def launch(worker: str, argv: list[str], args) -> dict:
     return {"error": f"exit code {done.returncode}: " + (done.stderr or done.stdout)[-1500:]}
 
 
+def median_round(runs: list[dict]) -> dict:
+    """A row's result over its rounds: the round of the median step time (the lower middle
+    of an even count), or the first failure."""
+    failed = [run for run in runs if "error" in run]
+    if failed:
+        return failed[0]
+    return sorted(runs, key=lambda run: run["step_s"])[(len(runs) - 1) // 2]
+
+
 def at_least_line(name: str, value: float, target: float, unit: str = "") -> str:
     if math.isnan(value):
         return f"{name}: not measured (a run above failed or was not selected)"
@@ -711,34 +726,46 @@ def main(argv=None) -> int:
         if flag:
             workers += [f"{impl}:{variant}" for impl in args.impls.split(",")
                         if impl in ("ours", "torch")]
-    results = {}
+    rounds: dict[str, list[dict]] = {worker: [] for worker in workers}
     print(f"GPT step, one GPU: {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads, seq {args.seq_length}, micro-batch "
           f"{args.micro_batch_size} ({args.microbatches} per trainer step), vocab "
           f"{args.vocab_size}; bf16, fwd+bwd+fused AdamW; "
           f"{time.strftime('%Y-%m-%d')}; command: python bench/gpt_step.py {' '.join(argv)}",
           flush=True)
-    for worker in workers:
-        result = launch(worker, argv, args)
-        results[worker] = result
-        if "error" in result:
-            print(f"{worker:16s} FAILED: {result['error']}", flush=True)
-            continue
-        result["tokens_per_s"] = result.get("real_tokens_per_step", tokens) / result["step_s"]
-        result["flops"] = result.get("real_flops_per_step", flops)
-        result["mfu"] = result["flops"] / result["step_s"] / (args.peak_tflops * 1e12)
-        # ':eager' names the bench's own variant (no whole-step graph); trainer flags shown.
-        label = (f"{worker} [{args.trainer_args}]" if worker.startswith("trainer")
-                 and args.trainer_args else worker)
-        print(f"{label:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
-              f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
-              f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  "
-              f"MFU {100 * result['mfu']:5.1f}%  "
-              f"{result['peak_memory_gib']:5.1f} GiB"
-              f"{' reserved' if result.get('peak_memory_reserved') else ''}  "
-              f"{result['parameters'] / 1e9:.3f}B params  "
-              f"loss {result['first_loss']:.3f}->{result['last_loss']:.3f}  "
-              f"({result['device']}, torch {result['torch']})", flush=True)
+    for round_ in range(args.rounds):
+        for worker in workers:
+            result = launch(worker, argv, args)
+            rounds[worker].append(result)
+            # ':eager' names the bench's own variant (no whole-step graph); trainer flags shown.
+            label = (f"{worker} [{args.trainer_args}]" if worker.startswith("trainer")
+                     and args.trainer_args else worker)
+            label += f" #{round_ + 1}" if args.rounds > 1 else ""
+            if "error" in result:
+                print(f"{label:16s} FAILED: {result['error']}", flush=True)
+                continue
+            result["tokens_per_s"] = (result.get("real_tokens_per_step", tokens)
+                                      / result["step_s"])
+            result["flops"] = result.get("real_flops_per_step", flops)
+            result["mfu"] = result["flops"] / result["step_s"] / (args.peak_tflops * 1e12)
+            print(f"{label:16s} {result['step_s'] * 1e3:8.1f} ms/step  "
+                  f"{result['tokens_per_s'] / 1e3:6.1f}k tokens/s  "
+                  f"{result['flops'] / result['step_s'] / 1e12:6.1f} TFLOP/s  "
+                  f"MFU {100 * result['mfu']:5.1f}%  "
+                  f"{result['peak_memory_gib']:5.1f} GiB"
+                  f"{' reserved' if result.get('peak_memory_reserved') else ''}  "
+                  f"{result['parameters'] / 1e9:.3f}B params  "
+                  f"loss {result['first_loss']:.3f}->{result['last_loss']:.3f}  "
+                  f"({result['device']}, torch {result['torch']})", flush=True)
+    results = {worker: median_round(runs) for worker, runs in rounds.items()}
+    if args.rounds > 1:
+        for worker, result in results.items():
+            if "error" not in result:
+                steps = [run["step_s"] for run in rounds[worker]]
+                print(f"{worker:16s} median of {args.rounds} rounds "
+                      f"{result['step_s'] * 1e3:8.1f} ms/step (rounds "
+                      f"{', '.join(f'{1e3 * step:.1f}' for step in steps)}; spread "
+                      f"{100 * (max(steps) - min(steps)) / result['step_s']:.1f}%)", flush=True)
 
     def throughput(worker):
         return results.get(worker, {}).get("tokens_per_s", math.nan)

@@ -156,6 +156,20 @@ def test_gpt_step_trainer_rows_run_on_the_cpu():
                      re.MULTILINE), output
 
 
+def test_gpt_step_rounds_rate_each_row_by_its_median_round():
+    output = run_bench("gpt_step.py", "--impls", "trainer", "--rounds", "3")
+    assert len(re.findall(r"^trainer:eager #[123] +[\d.]+ ms/step", output, re.MULTILINE)) == 3
+    assert re.search(r"^trainer:eager +median of 3 rounds +[\d.]+ ms/step \(rounds "
+                     r"[\d.]+, [\d.]+, [\d.]+; spread [\d.]+%\)", output, re.MULTILINE), output
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import gpt_step
+
+    runs = [{"step_s": 0.3}, {"step_s": 0.1}, {"step_s": 0.2}, {"step_s": 0.4}]
+    assert gpt_step.median_round(runs[:3])["step_s"] == 0.2
+    assert gpt_step.median_round(runs)["step_s"] == 0.2  # the lower middle
+    assert "error" in gpt_step.median_round([runs[0], {"error": "exit code 1"}])
+
+
 def test_the_profile_counts_busy_time_once_and_idle_gaps_by_the_kernel_after_them():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import gpt_step
