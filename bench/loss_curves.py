@@ -163,7 +163,7 @@ def compare(finals: list[float], reference: list[float], bound: float) -> tuple[
     if min(len(finals), len(reference)) < 2:
         verdict = "met" if abs(ratio - 1) <= bound else "MISSED"
         return ratio, (f"{ratio:.4f} (target within {100 * bound:.1f}%; {verdict}; one run "
-                       f"each: --repeats to weigh it against run-to-run noise)")
+                       f"of one side: --repeats to weigh it against run-to-run noise)")
     relative = math.sqrt(sum(statistics.variance(runs) / len(runs) / statistics.fmean(runs) ** 2
                              for runs in (finals, reference)))
     band = 2 * ratio * relative
