@@ -2,8 +2,9 @@
 matmuls: composed with tensor and sequence parallelism, the interleaved pipeline with
 variable lengths and activation recompute, the losses stay within float8's error of the bf16
 run's, with delayed scaling too; with the distributed optimizer a run stopped and resumed
-continues bit for bit, and the checkpoint holds no float8 tensor (the weights stay bf16, their optimizer state fp32); its
-overlapped parameter all-gathers leave the weight casts' reuse bit for bit as without."""
+continues bit for bit, and the checkpoint holds no float8 tensor (the weights stay bf16, their
+optimizer state fp32); its overlapped parameter all-gathers leave the weight casts' reuse bit
+for bit as without."""
 
 import pytest
 import torch

@@ -33,7 +33,8 @@ def main() -> int:
         variants.append((f"history of {length}, {'max' if use_max else 'most recent'}",
                          roll_kernel, {"history_ptr": "*fp32", "scale_ptr": "*fp32",
                                        "margin_factor": "fp32"},
-                         {"LIMIT": 448.0, "LENGTH": length, "BLOCK": block, "USE_MAX": use_max},
+                         {"LIMIT": 448.0, "LENGTH": length, "HISTORY_BLOCK": block,
+                          "USE_MAX": use_max},
                          4))
     return compile_variants(variants)
 

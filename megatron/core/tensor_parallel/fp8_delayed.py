@@ -178,18 +178,18 @@ class AmaxHistory:
                      out_t.shape[1] if out_t is not None else rows, self._margin_factor(),
                      LIMIT=self.limit, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
                      ROW_MAJOR=out is not None, TRANSPOSED=out_t is not None, ROLL=roll,
-                     **self._roll_constants("HISTORY_BLOCK"), num_warps=_WARPS)
+                     **self._roll_constants(), num_warps=_WARPS)
 
     def _launch_roll(self, kernel) -> None:
         kernel[(1,)](self.history, self.scale, self._margin_factor(), LIMIT=self.limit,
-                     **self._roll_constants("BLOCK"), num_warps=4)
+                     **self._roll_constants(), num_warps=4)
 
     def _margin_factor(self) -> float:
         return float(2.0 ** self.scaling.margin)
 
-    def _roll_constants(self, block_name: str) -> dict:
+    def _roll_constants(self) -> dict:
         length = self.scaling.amax_history_len
-        return {"LENGTH": length, block_name: max(16, 1 << (length - 1).bit_length()),
+        return {"LENGTH": length, "HISTORY_BLOCK": max(16, 1 << (length - 1).bit_length()),
                 "USE_MAX": self.scaling.amax_compute_algo == "max"}
 
 

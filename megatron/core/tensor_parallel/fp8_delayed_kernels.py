@@ -86,7 +86,7 @@ def cast_recording_amax(x_ptr, out_ptr, out_t_ptr, scale_ptr, inverse_ptr, amax_
 
 @triton.jit
 def roll_history(history_ptr, scale_ptr, margin_factor, LIMIT: tl.constexpr,
-                 LENGTH: tl.constexpr, BLOCK: tl.constexpr, USE_MAX: tl.constexpr):
-    at = tl.arange(0, BLOCK)
+                 LENGTH: tl.constexpr, HISTORY_BLOCK: tl.constexpr, USE_MAX: tl.constexpr):
+    at = tl.arange(0, HISTORY_BLOCK)
     window = tl.load(history_ptr + at, mask=at < LENGTH, other=0.0)
     _roll(history_ptr, scale_ptr, window, at, margin_factor, LIMIT, LENGTH, USE_MAX)

@@ -11,7 +11,8 @@ and checkpoints stay as they were: only the matmuls' operands are cast.
 
 ``tensorwise`` runs fp8_tensorwise: torchao's recipe (the same scales and float8 values) with
 fewer passes over memory and the weight gradient written into ``main_grad`` (that module says
-why); ``delayed`` runs the same matmuls with every operand cast by ``fp8_delayed``. Shapes the float8 GEMMs cannot take go to torchao (dynamic scaling).
+why); ``delayed`` runs the same matmuls with every operand cast by ``fp8_delayed``. Shapes
+the float8 GEMMs cannot take go to torchao (dynamic scaling).
 ``rowwise`` is torchao's float8 training, its cast-and-matmul under ``torch.compile`` on a
 GPU (eagerly each cast is several kernels: a step measured 2.3x slower than bf16 on an
 H200); one compiled function serves every layer of a recipe, specialised by shapes.

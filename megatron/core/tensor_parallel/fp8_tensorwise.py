@@ -253,9 +253,9 @@ class Fp8TensorwiseMatmul(torch.autograd.Function):
         steps = _steps(compiled)
         flat = input_.reshape(-1, input_.shape[-1])
         rows = _padded(flat.shape[0])
-        casts = _cached(weight)
-        if meta is not None:  # delayed scaling of every operand
-            casts = _weight_casts(weight, steps, meta)
+        # Delayed scaling casts every operand from its history, the weight included.
+        casts = _cached(weight) if meta is None else _weight_casts(weight, steps, meta)
+        if meta is not None:
             input8, input8_t, input_inverse = meta.input.cast(flat, rows, True, wgrad_fp8)
             output = torch._scaled_mm(input8, casts.weight8.t(), input_inverse, casts.inverse,
                                       bias=bias, out_dtype=input_.dtype, use_fast_accum=True)
