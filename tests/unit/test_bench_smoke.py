@@ -89,11 +89,11 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
          "bf16,fp8,lean-state", "--repeats", "2", "--parallel", "2", "--png", str(png)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=2 * DEADLINE_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert re.search(r"^bf16's own runs: final losses \d\.\d{4}, \d\.\d{4} \(spread",
+    assert re.search(r"^bf16 final loss by run: #0 \d\.\d{4}, #1 \d\.\d{4}$",
                      done.stdout, re.MULTILINE), done.stdout
     for name in ("fp8/bf16", "lean-state/bf16"):
         pattern = (rf"^{name} final loss = \d\.\d{{4}} \+- \d\.\d{{4}} \(target within "
-                   r"[\d.]+%; (met|MISSED|unresolved)")
+                   r"[\d.]+%; (met|MISSED|unresolved[^;]*); 2 pairs of runs from the same seeds")
         assert re.search(pattern, done.stdout, re.MULTILINE), done.stdout
     assert png.stat().st_size > 0
     recorded = json.loads(png.with_suffix(".json").read_text())
@@ -103,23 +103,49 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
     # Run r trains with seed 1234 + r: the two repeats start from different weights.
     assert recorded["bf16#0"]["1"] != recorded["bf16#1"]["1"]
 
+    # Runs of another command (here the same curves renumbered, as --first-repeat 2 would
+    # number them) are weighed together with --from-json, without training.
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps({label.replace("#0", "#2").replace("#1", "#3"): curve
+                                for label, curve in recorded.items()}))
+    weigh = [sys.executable, "bench/loss_curves.py", "--final-window", "1",
+             "--png", str(tmp_path / "both.png"), "--from-json", str(png.with_suffix(".json"))]
+    done = subprocess.run([*weigh, str(more)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4 pairs of runs from the same seeds" in done.stdout, done.stdout
+    assert (tmp_path / "both.png").stat().st_size > 0
+    # The same run in two records is refused by name.
+    done = subprocess.run([*weigh, str(png.with_suffix(".json"))], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode != 0 and "run bf16#0 is in both" in done.stderr, done.stderr
 
-def test_loss_curves_verdicts_weigh_the_ratio_against_the_runs_noise():
+
+def test_loss_curves_verdicts_pair_runs_by_seed_and_weigh_the_noise():
     sys.path.insert(0, str(REPO_ROOT / "bench"))
     try:
         from loss_curves import compare
     finally:
         sys.path.remove(str(REPO_ROOT / "bench"))
-    assert "met; one run of one side" in compare([4.0], [4.02], 0.015)[1]
-    assert "MISSED; one run of one side" in compare([4.2], [4.0, 4.1], 0.015)[1]
-    # Tight runs: a 0.5% difference is met, a 3% one missed.
-    tight = [4.000, 4.002, 3.998]
-    assert "; met;" in compare([x * 1.005 for x in tight], tight, 0.015)[1]
-    assert "; MISSED;" in compare([x * 1.03 for x in tight], tight, 0.015)[1]
-    # Runs 2-3% apart (as bf16's on an H200): the same 0.5% cannot be told from the bound.
-    loose = [4.76, 4.66, 4.63]
-    ratio, text = compare([x * 1.005 for x in loose], loose, 0.015)
-    assert abs(ratio - 1.005) < 1e-12 and "unresolved" in text, text
+    assert "met; one pair of runs" in compare({0: 4.0}, {0: 4.02}, 0.015)[1]
+    assert "MISSED; one pair of runs" in compare({1: 4.2}, {0: 4.3, 1: 4.1}, 0.015)[1]
+    # Seeds 2-3% apart (as the bf16 runs on a GPU) cancel in the pairs: a steady 0.5% is met,
+    # a steady 3% missed.
+    seeds = {0: 4.76, 1: 4.66, 2: 4.63}
+    ratio, text = compare({r: x * 1.005 for r, x in seeds.items()}, seeds, 0.015)
+    assert abs(ratio - 1.005) < 1e-12 and "+- 0.0000 (target within 1.5%; met; 3 pairs" in text
+    assert "; MISSED;" in compare({r: x * 1.03 for r, x in seeds.items()}, seeds, 0.015)[1]
+    # Pairs that scatter by about 1% cannot tell 0.3% from a 0.5% bound; the interval is
+    # Student's (two pairs: 12.7 standard errors, here 0.0254).
+    scattered = {r: x * f for (r, x), f in zip(seeds.items(), (0.992, 1.012, 1.009))}
+    assert "unresolved" in compare(scattered, seeds, 0.005)[1]
+    two = compare({0: 1.0, 1: 1.004}, {0: 1.0, 1: 1.0}, 0.015)[1]
+    assert two.startswith("1.0020 +- 0.0254 (target within 1.5%; unresolved"), two
+    # The noise floor's line: no target; only runs of both sides' numbers are paired.
+    floor = compare({0: 4.0, 5: 9.0}, {0: 4.0, 1: 4.1}, None)[1]
+    assert floor == "1.0000 (1 pair of runs from the same seeds)", floor
+    with pytest.raises(ValueError, match="no run number in both"):
+        compare({2: 4.0}, {0: 4.0}, 0.015)
 
 
 def test_host_work_counts_and_finalize_does_not_walk_the_model_each_step():
