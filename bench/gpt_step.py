@@ -22,8 +22,9 @@ forward, backward and a fused ``torch.optim.AdamW`` step over the bf16 parameter
 * ``trainer-flat``: the trainer with ``--use-precision-aware-optimizer`` (Adam over the flat
   buffers, writing the bf16 weights in its kernel);
 * ``trainer-fp8`` / ``trainer-fp8-rowwise``: the trainer with ``--fp8-format hybrid``
-  (tensorwise or rowwise scaling; torchao must be importable); ``trainer-flat-fp8`` with the
-  flat Adam too (against ``trainer-flat``);
+  (``--fp8-recipe tensorwise`` or ``rowwise``; torchao must be importable);
+  ``trainer-flat-fp8`` with the flat Adam too (against ``trainer-flat``); the ``-delayed``
+  rows with the default recipe, delayed scaling;
 * ``trainer-flat-fp16-state`` / ``trainer-flat-fp8-state``: the flat Adam with fp16 main
   parameters and fp16 moments, or an fp8 first and fp16 second moment (issue 25's rows);
   ``trainer-flat-lean`` also with bf16 main gradients (every low-precision choice at once);
@@ -64,9 +65,10 @@ FP16_MAINS = ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"]
 TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
             "trainer-flat": ["--use-precision-aware-optimizer"],
             "trainer-varlen": ["--variable-seq-lengths"],
-            "trainer-fp8": ["--fp8-format", "hybrid"],
+            "trainer-fp8": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
             "trainer-fp8-rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
-            "trainer-flat-fp8": ["--use-precision-aware-optimizer", "--fp8-format", "hybrid"],
+            "trainer-flat-fp8": ["--use-precision-aware-optimizer", "--fp8-format", "hybrid",
+                                 "--fp8-recipe", "tensorwise"],
             "trainer-flat-fp16-state": [*FP16_MAINS, "--exp-avg-dtype", "fp16",
                                         "--exp-avg-sq-dtype", "fp16"],
             "trainer-flat-fp8-state": [*FP16_MAINS, "--exp-avg-dtype", "fp8",
@@ -75,7 +77,7 @@ TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
                                   "fp16", "--main-grads-dtype", "bf16"]}
 # The fastest FP8 configuration: the lean optimizer state besides (a third less Adam traffic).
 TRAINERS["trainer-fp8-lean"] = [*TRAINERS["trainer-flat-lean"], *TRAINERS["trainer-fp8"]]
-# Delayed scaling (upstream's default recipe): one pass over each input and output gradient.
+# Delayed scaling (the default recipe, as upstream's): one pass over each cast operand.
 DELAYED = ["--fp8-recipe", "delayed"]
 TRAINERS["trainer-fp8-delayed"] = [*TRAINERS["trainer-fp8"], *DELAYED]
 TRAINERS["trainer-fp8-lean-delayed"] = [*TRAINERS["trainer-fp8-lean"], *DELAYED]

@@ -63,7 +63,7 @@ FLAT = ["--use-precision-aware-optimizer"]
 VARIANTS = {
     "bf16": FLAT,
     "bf16-again": FLAT,
-    "fp8": [*FLAT, "--fp8-format", "hybrid"],
+    "fp8": [*FLAT, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "fp8-rowwise": [*FLAT, "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
     "fp8-delayed": [*FLAT, "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
     "fp16-state": [*FLAT, "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"],

@@ -24,8 +24,8 @@ def test_fp8_trains_like_bf16_at_tp2_pp2_vpp2_with_recompute(data):
               *PP2_VPP2, "--sequence-parallel", "--recompute-granularity", "full",
               "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     bf16 = losses(run(4, small_gpt(data, *layout)))
-    fp8 = losses(run(4, small_gpt(data, *layout, "--fp8-format", "hybrid",
-                                  "--first-last-layers-bf16")))
+    fp8 = losses(run(4, small_gpt(data, *layout, "--fp8-format", "hybrid", "--fp8-recipe",
+                                  "tensorwise", "--first-last-layers-bf16")))
     assert sorted(fp8) == list(range(1, 9))
     assert fp8 != bf16  # the middle layers did compute in float8
     for iteration, value in fp8.items():
@@ -61,13 +61,14 @@ def test_fp8_with_the_distributed_optimizer_resumes_bit_for_bit(data, tmp_path):
                                                                      torch.float32}
 
 
-def test_fp8_weight_casts_follow_overlapped_parameter_gathers(data):
-    """Tensorwise FP8 casts a weight once per schedule call and reuses the casts for the later
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_weight_casts_follow_overlapped_parameter_gathers(data, recipe):
+    """FP8 casts a weight once per schedule call and reuses the casts for the later
     microbatches (two per rank here); with --overlap-param-gather the distributed optimizer's
     all-gathers of the new weights land within that call, each awaited by the forward of the
     modules it fills: the run equals the one without overlap, bit for bit."""
     flags = ["--bf16", "--train-iters", "4", "--use-distributed-optimizer", "--fp8-format",
-             "hybrid"]
+             "hybrid", "--fp8-recipe", recipe]
     plain = losses(run(2, small_gpt(data, *flags)))
     overlapped = losses(run(2, small_gpt(data, *flags, "--overlap-param-gather",
                                          "--overlap-grad-reduce")))

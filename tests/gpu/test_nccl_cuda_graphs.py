@@ -27,7 +27,7 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 LAYOUTS = {
     "one-rank": (1, []),
-    "one-rank-fp8": (1, ["--bf16", "--fp8-format", "hybrid"]),
+    "one-rank-fp8": (1, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
     "one-rank-fp8-delayed": (1, ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
                                  "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo",
                                  "max"]),

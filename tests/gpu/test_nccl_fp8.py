@@ -35,14 +35,16 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fp8_trains_like_bf16_over_nccl(layout, data, tmp_path):
+def test_fp8_trains_like_bf16_over_nccl(layout, recipe, data, tmp_path):
     nproc, flags = LAYOUTS[layout]
     bf16 = train(nproc, nccl_gpt(data, "--bf16", *flags), tmp_path / "bf16")
-    fp8 = train(nproc, nccl_gpt(data, "--bf16", *flags, "--fp8-format", "hybrid"),
-                tmp_path / "fp8")
+    fp8 = train(nproc, nccl_gpt(data, "--bf16", *flags, "--fp8-format", "hybrid",
+                                "--fp8-recipe", recipe), tmp_path / "fp8")
     worst = max(abs(fp8[i] - bf16[i]) / abs(bf16[i]) for i in bf16)
-    print(f"fp8 {layout} over {BACKEND}: largest relative loss difference to bf16 {worst:.2e}")
+    print(f"fp8 {recipe} {layout} over {BACKEND}: largest relative loss difference to bf16 "
+          f"{worst:.2e}")
     assert fp8 != bf16  # the layers did compute in float8
     for iteration in bf16:
         assert fp8[iteration] == pytest.approx(bf16[iteration], rel=FP8_TOLERANCE), iteration

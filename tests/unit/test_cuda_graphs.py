@@ -237,8 +237,8 @@ def test_graphed_fp8_layers_cast_their_weights_in_every_replay():
     pytest.importorskip("torchao")
     from megatron.core.tensor_parallel import fp8_tensorwise
 
-    overrides = dict(fp8="hybrid", bf16=True, params_dtype=torch.bfloat16,
-                     hidden_size=32, ffn_hidden_size=64)
+    overrides = dict(fp8="hybrid", fp8_recipe="tensorwise", bf16=True,
+                     params_dtype=torch.bfloat16, hidden_size=32, ffn_hidden_size=64)
     plain, graphed = pair(**overrides)
     graphed.bfloat16(), plain.bfloat16()
     for seed in range(3):

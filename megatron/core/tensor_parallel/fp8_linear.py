@@ -2,8 +2,8 @@
 
 The transformer layers' column- and row-parallel linears (attention's QKV and projection, the
 MLP's two) compute ``x W^T`` in float8, scaled per tensor from its own amax at each use
-(``tensorwise``), or from the amaxes of the earlier uses (``delayed``: upstream's default
-recipe, ``fp8_delayed``), or per row of each operand with power-of-two scales (``rowwise``).
+(``tensorwise``), or from the amaxes of the earlier uses (``delayed``: the default recipe,
+as upstream's; ``fp8_delayed``), or per row of each operand with power-of-two scales (``rowwise``).
 ``e4m3`` casts inputs, weights and output gradients to e4m3; ``hybrid`` casts output
 gradients to e5m2 (their range matters more than their precision). Without
 ``fp8_wgrad`` the weight-gradient matmul stays in the parameters' dtype. Weights, gradients

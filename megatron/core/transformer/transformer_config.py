@@ -262,9 +262,9 @@ class TransformerConfig(ModelParallelConfig):
     """None, or the fp8 format of the transformer layers' matmuls: 'e4m3' or 'hybrid' (output
     gradients in e5m2)."""
 
-    fp8_recipe: str = "tensorwise"
-    """How fp8 operands are scaled: 'tensorwise' (per tensor, from its own amax), 'delayed'
-    (every operand from the amax history of its earlier casts: fp8_delayed)
+    fp8_recipe: str = "delayed"
+    """How fp8 operands are scaled: 'delayed' (upstream's default: every operand from the amax
+    history of its earlier casts, fp8_delayed), 'tensorwise' (per tensor, from its own amax)
     or 'rowwise' (torchao's, per row)."""
 
     fp8_margin: int = 0

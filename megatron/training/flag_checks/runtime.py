@@ -289,8 +289,8 @@ def check_fp8(args: argparse.Namespace) -> None:
     given = [f"--{name.replace('_', '-')}" for name, default in _DELAYED_SCALING_FLAGS.items()
              if getattr(args, name) != default]
     if given and args.fp8_recipe != "delayed" and args.rank == 0:
-        print(f"WARNING: {', '.join(given)} tune delayed scaling (--fp8-recipe delayed, "
-              f"upstream's default recipe); --fp8-recipe {args.fp8_recipe} does not use them",
+        print(f"WARNING: {', '.join(given)} tune delayed scaling (--fp8-recipe delayed, the "
+              f"default recipe); --fp8-recipe {args.fp8_recipe} does not use them",
               flush=True)
     if args.fp8_interval != 1 and args.rank == 0:
         print("WARNING: --fp8-interval is deprecated upstream and ignored, here too", flush=True)

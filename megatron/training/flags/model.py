@@ -163,10 +163,10 @@ class TransformerEngineArgs:
         "must be installed): e4m3, or hybrid (output gradients in e5m2)", flags=("--fp8-format",),
         choices=("e4m3", "hybrid"))
     fp8_recipe: str = option(
-        "tensorwise", "how fp8 operands are scaled: tensorwise (one scale per tensor, from its "
-        "own amax), delayed (inputs, weights and output gradients from the amaxes of their "
-        "earlier casts, upstream's default recipe: one pass over each instead of two) or "
-        "rowwise (torchao's, per row, power-of-two scales)",
+        "delayed", "how fp8 operands are scaled: delayed (the default, as upstream's: inputs, "
+        "weights and output gradients from the amaxes of their earlier casts, one pass over "
+        "each), tensorwise (one scale per tensor, from its own amax: two passes) or rowwise "
+        "(torchao's, per row, power-of-two scales)",
         choices=("tensorwise", "delayed", "rowwise"))
     fp8_margin: int = option(0, "--fp8-recipe delayed: scales are divided by 2**margin")
     fp8_interval: int = option(1, "", accepted=_INTERVAL)
