@@ -34,8 +34,8 @@ standard errors), and a verdict given only where that band lies inside the bound
 it (else ``unresolved``: more repeats). More seeds
 fit in other commands: ``--first-repeat K`` numbers the runs from K, and ``--from-json`` weighs
 the records of several commands together without training. The warmup matters: over a
-twentieth of the steps, the runs parted in the steps right after it and stayed 1-2% apart to
-the end (and 0.6 nats above the fifth's losses at step 300).
+twentieth of the steps, an outlier batch met at the peak learning rate parted the runs, which
+stayed 1-2% apart to the end (and 0.6 nats above the fifth's losses at step 300).
 
 ``--parallel N`` trains N runs at once (a 125M model leaves most of a GPU idle; the losses do
 not depend on what else runs; twelve at once fit an 80 GB H100, sixteen did not). Each curve is
