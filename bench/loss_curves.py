@@ -200,8 +200,7 @@ def compare(finals: dict[int, float], reference: dict[int, float],
     seed: the same initial weights and batches, so what the seed does to the loss cancels):
     the mean of the paired ratios, with several pairs its 95% interval (Student's t) besides,
     and a verdict only where that band lies wholly inside ``bound`` (met) or outside it
-    (MISSED).
-    ``bound`` None: no target (the noise floor's line)."""
+    (MISSED); ``bound`` None: no target (the noise floor's line)."""
     pairs = sorted(set(finals) & set(reference))
     if not pairs:
         raise ValueError(f"no run number in both {sorted(finals)} and {sorted(reference)}")
@@ -235,13 +234,15 @@ def report(finals: dict[str, dict[int, float]]) -> None:
               f"{', '.join(f'#{r} {loss:.4f}' for r, loss in sorted(runs.items()))}")
     if "bf16" not in finals:
         return
-    if "bf16-again" in finals:
-        _, text = compare(finals["bf16-again"], finals["bf16"], None)
-        print(f"bf16-again/bf16 final loss = {text}: the noise floor, the same flags twice")
-    for name, bound in BOUNDS.items():
-        if name in finals:
-            _, text = compare(finals[name], finals["bf16"], bound)
-            print(f"{name}/bf16 final loss = {text}")
+    for name, bound in [("bf16-again", None), *BOUNDS.items()]:
+        if name not in finals:
+            continue
+        if not set(finals[name]) & set(finals["bf16"]):
+            print(f"{name}/bf16 final loss: no run of {name} has a bf16 run from its seed")
+            continue
+        _, text = compare(finals[name], finals["bf16"], bound)
+        floor = ": the noise floor, the same flags twice" if bound is None else ""
+        print(f"{name}/bf16 final loss = {text}{floor}")
 
 
 def load_records(paths: list[Path]) -> dict[str, dict[int, float]]:
