@@ -57,6 +57,11 @@ REPRESENTATIVE = {
                             ()),
     "main_tp2_pp2_cp2_per_token_loss": (
         "main/gpt3_mcore_te_tp2_pp2_cp2_calculate_per_token_loss", ()),
+    # FP8 as upstream's weekly H100 runs ask for it: hybrid, delayed scaling (the default
+    # recipe) over an amax history of 1024 taking its largest, at tp 2 x pp 2 with sequence
+    # parallelism.
+    "tp2_pp2_fp8_sequence_parallel": (
+        "gpt3_345m_weekly_dgx_h100_1N8G_mcore_tp2_pp2_fp8_tp_pp_sp", ()),
     # The legacy GPT's (--use-legacy-models: the megatron-core GPT in its place), fp16 with
     # query-key layer scaling, interleaved.
     "legacy_tp1_pp4_vp1_fp16": ("gpt3_mr_tp1_pp4_vp1_dgx_a100_1N8G", ()),
