@@ -1,7 +1,8 @@
-"""``--fp8-format`` with Transformer Engine's layers: upstream 0.11's path, checked against a
-fake ``transformer_engine`` (the real one cannot be installed here). The block enters TE's
-``fp8_autocast`` with the delayed-scaling recipe the config describes, once around each run
-of consecutive fp8 layers, over the amax-reduction group; what it cannot do is refused."""
+"""``--fp8-format`` with Transformer Engine's layers: upstream's path, checked against a fake
+``transformer_engine`` (the real one cannot be installed here). The block enters TE's
+``fp8_autocast`` with the recipe the config describes (delayed scaling, or TE's current
+scaling for tensorwise), once around each run of consecutive fp8 layers, over the
+amax-reduction group; what it cannot do is refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def fake_te(monkeypatch):
         def __init__(self, **kwargs):
             self.kwargs = kwargs
 
+    class Float8CurrentScaling(DelayedScaling):
+        pass
+
     @contextlib.contextmanager
     def fp8_autocast(**kwargs):
         entered.append(kwargs)
@@ -34,6 +38,7 @@ def fake_te(monkeypatch):
 
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.DelayedScaling = DelayedScaling
+    recipe.Float8CurrentScaling = Float8CurrentScaling
     recipe.Format = types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID")
     common = types.ModuleType("transformer_engine.common")
     common.recipe = recipe
@@ -80,9 +85,24 @@ def test_the_block_enters_te_fp8_once_around_its_fp8_layers(fake_te, monkeypatch
     assert len(fake_te) == 1 and fake_te[0]["fp8_recipe"].kwargs["fp8_format"] == "HYBRID"
 
 
+def test_tensorwise_is_te_s_current_scaling(fake_te):
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                               fp8="hybrid", fp8_recipe="tensorwise")
+    with te_backend.fp8_autocast(config):
+        pass
+    (kwargs,) = fake_te
+    assert type(kwargs["fp8_recipe"]).__name__ == "Float8CurrentScaling"
+    assert kwargs["fp8_recipe"].kwargs == {"fp8_format": "HYBRID"}
+
+
 def test_what_te_fp8_cannot_do_is_refused(fake_te, monkeypatch):
     with pytest.raises(ValueError, match="fp8_recipe='rowwise' is torchao's"):
         _gpt(monkeypatch, fp8="hybrid", fp8_recipe="rowwise")
+    with pytest.raises(ValueError, match="--no-fp8-wgrad with --fp8-recipe tensorwise"):
+        _gpt(monkeypatch, fp8="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False)
+    monkeypatch.delattr(sys.modules["transformer_engine.common.recipe"], "Float8CurrentScaling")
+    with pytest.raises(ValueError, match="needs its Float8CurrentScaling"):
+        _gpt(monkeypatch, fp8="hybrid", fp8_recipe="tensorwise")
     with pytest.raises(ValueError, match="needs TE's own checkpointing"):
         _gpt(monkeypatch, fp8="hybrid", recompute_granularity="full", recompute_method="uniform",
              recompute_num_layers=1)

@@ -69,22 +69,44 @@ def require_transformer_engine() -> None:
     _import_te()
 
 
-def fp8_autocast(config, fp8_group: Any = None):
-    """Transformer Engine's ``fp8_autocast`` with the delayed-scaling recipe that ``config``
-    describes, as upstream 0.11 enters it around its transformer layers: ``fp8`` e4m3 or hybrid,
-    ``fp8_margin``, ``fp8_amax_history_len``, ``fp8_amax_compute_algo``, and the
-    weight-gradient GEMM in high precision without ``fp8_wgrad``; amax values are reduced over
-    ``fp8_group``."""
-    te_pytorch = _import_te()
+def fp8_recipe(config):
+    """Transformer Engine's recipe for ``config``: with ``fp8_recipe`` delayed (the default)
+    delayed scaling as upstream 0.11 builds it (``fp8`` e4m3 or hybrid, ``fp8_margin``,
+    ``fp8_amax_history_len``, ``fp8_amax_compute_algo``, the weight-gradient GEMM in high
+    precision without ``fp8_wgrad``); with tensorwise TE's current scaling, as later upstream
+    maps it. ValueError, naming the flag, where TE's layers cannot do what is asked."""
+    _import_te()
     from transformer_engine.common import recipe
 
-    scaling = recipe.DelayedScaling(
-        margin=config.fp8_margin,
-        fp8_format=recipe.Format.E4M3 if config.fp8 == "e4m3" else recipe.Format.HYBRID,
-        amax_history_len=config.fp8_amax_history_len,
-        amax_compute_algo=config.fp8_amax_compute_algo,
-        override_linear_precision=(False, False, not config.fp8_wgrad))
-    return te_pytorch.fp8_autocast(enabled=True, fp8_recipe=scaling, fp8_group=fp8_group)
+    fp8_format = recipe.Format.E4M3 if config.fp8 == "e4m3" else recipe.Format.HYBRID
+    if config.fp8_recipe == "delayed":
+        return recipe.DelayedScaling(
+            margin=config.fp8_margin, fp8_format=fp8_format,
+            amax_history_len=config.fp8_amax_history_len,
+            amax_compute_algo=config.fp8_amax_compute_algo,
+            override_linear_precision=(False, False, not config.fp8_wgrad))
+    if config.fp8_recipe != "tensorwise":
+        raise ValueError(f"fp8_recipe={config.fp8_recipe!r} is torchao's (local layers); "
+                         f"Transformer Engine's layers take delayed or tensorwise")
+    current = getattr(recipe, "Float8CurrentScaling", None)
+    if current is None:
+        raise ValueError("--fp8-recipe tensorwise with Transformer Engine's layers needs its "
+                         "Float8CurrentScaling (TE 2.2 or later), which this TE lacks: use "
+                         "--fp8-recipe delayed, or --transformer-impl local")
+    if not config.fp8_wgrad:
+        raise ValueError("--no-fp8-wgrad with --fp8-recipe tensorwise: Transformer Engine's "
+                         "current scaling is built without it here (as upstream); use "
+                         "--fp8-recipe delayed, or --transformer-impl local")
+    return current(fp8_format=fp8_format)
+
+
+def fp8_autocast(config, fp8_group: Any = None):
+    """Transformer Engine's ``fp8_autocast`` with ``config``'s recipe (``fp8_recipe``), as
+    upstream enters it around its transformer layers; amax values are reduced over
+    ``fp8_group``."""
+    te_pytorch = _import_te()
+    return te_pytorch.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe(config),
+                                   fp8_group=fp8_group)
 
 
 def attention_backend_environment(backend: AttnBackend) -> dict[str, str]:

@@ -110,9 +110,10 @@ class TransformerBlock(MegatronModule):
         for position, (index, built) in enumerate(zip(self.global_layer_indices, self.layers)):
             if config.computes_in_fp8(index + 1) and not set_fp8(built, recipe):
                 te_layers.add(position)
-        if te_layers and config.fp8_recipe == "rowwise":
-            raise ValueError(f"fp8_recipe={config.fp8_recipe!r} is torchao's (local layers); "
-                             f"Transformer Engine's layers use its delayed scaling")
+        if te_layers:
+            from megatron.core.transformer import te_backend
+
+            te_backend.fp8_recipe(config)  # refuses here what TE's layers cannot do
         if te_layers and config.recompute_granularity == "full":
             raise ValueError("full recompute of Transformer Engine's layers in fp8 needs TE's "
                              "own checkpointing, which is not wired here; recompute without "
