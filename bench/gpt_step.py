@@ -61,14 +61,18 @@ REPO = Path(__file__).resolve().parents[1]
 RESULT = "RESULT "
 # The flat Adam with fp16 main parameters (issue 25's low-precision-state rows).
 FP16_MAINS = ["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"]
+FP8 = ["--fp8-format", "hybrid"]
+TENSORWISE = ["--fp8-recipe", "tensorwise"]
+# Delayed scaling (the default recipe, as upstream's): one pass over each cast operand.
+DELAYED = ["--fp8-recipe", "delayed"]
 # pretrain_gpt.py's own step: name -> its own flags.
 TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
             "trainer-flat": ["--use-precision-aware-optimizer"],
             "trainer-varlen": ["--variable-seq-lengths"],
-            "trainer-fp8": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
-            "trainer-fp8-rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
-            "trainer-flat-fp8": ["--use-precision-aware-optimizer", "--fp8-format", "hybrid",
-                                 "--fp8-recipe", "tensorwise"],
+            "trainer-fp8": [*FP8, *TENSORWISE],
+            "trainer-fp8-rowwise": [*FP8, "--fp8-recipe", "rowwise"],
+            "trainer-fp8-delayed": [*FP8, *DELAYED],
+            "trainer-flat-fp8": ["--use-precision-aware-optimizer", *FP8, *TENSORWISE],
             "trainer-flat-fp16-state": [*FP16_MAINS, "--exp-avg-dtype", "fp16",
                                         "--exp-avg-sq-dtype", "fp16"],
             "trainer-flat-fp8-state": [*FP16_MAINS, "--exp-avg-dtype", "fp8",
@@ -76,11 +80,8 @@ TRAINERS = {"trainer": [], "trainer-distopt": ["--use-distributed-optimizer"],
             "trainer-flat-lean": [*FP16_MAINS, "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype",
                                   "fp16", "--main-grads-dtype", "bf16"]}
 # The fastest FP8 configuration: the lean optimizer state besides (a third less Adam traffic).
-TRAINERS["trainer-fp8-lean"] = [*TRAINERS["trainer-flat-lean"], *TRAINERS["trainer-fp8"]]
-# Delayed scaling (the default recipe, as upstream's): one pass over each cast operand.
-DELAYED = ["--fp8-recipe", "delayed"]
-TRAINERS["trainer-fp8-delayed"] = [*TRAINERS["trainer-fp8"], *DELAYED]
-TRAINERS["trainer-fp8-lean-delayed"] = [*TRAINERS["trainer-fp8-lean"], *DELAYED]
+TRAINERS["trainer-fp8-lean"] = [*TRAINERS["trainer-flat-lean"], *FP8, *TENSORWISE]
+TRAINERS["trainer-fp8-lean-delayed"] = [*TRAINERS["trainer-flat-lean"], *FP8, *DELAYED]
 # Issue 25's targets: (numerator, denominator) -> least ratio of tokens/s. FP8 against bf16
 # depends on the shape: 1.10 at 1.3B, 1.30 at the 7B-like one (hidden 4096).
 BY_SHAPE = None

@@ -237,10 +237,11 @@ def report(finals: dict[str, dict[int, float]]) -> None:
     for name, bound in [("bf16-again", None), *BOUNDS.items()]:
         if name not in finals:
             continue
-        if not set(finals[name]) & set(finals["bf16"]):
+        try:
+            _, text = compare(finals[name], finals["bf16"], bound)
+        except ValueError:  # no pair
             print(f"{name}/bf16 final loss: no run of {name} has a bf16 run from its seed")
             continue
-        _, text = compare(finals[name], finals["bf16"], bound)
         floor = ": the noise floor, the same flags twice" if bound is None else ""
         print(f"{name}/bf16 final loss = {text}{floor}")
 

@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.fp8_delayed import DelayedScaling
 from megatron.core.tensor_parallel.fp8_linear import Fp8Recipe
 from megatron.core.tensor_parallel.linear import set_fp8
 from megatron.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
+from megatron.core.transformer import te_backend
 from megatron.core.transformer.dot_product_attention import drop_causal_mask
 from megatron.core.transformer.init_methods import model_init_stream, replay_draws
 from megatron.core.transformer.layer_assignment import (
@@ -111,8 +112,6 @@ class TransformerBlock(MegatronModule):
             if config.computes_in_fp8(index + 1) and not set_fp8(built, recipe):
                 te_layers.add(position)
         if te_layers:
-            from megatron.core.transformer import te_backend
-
             te_backend.fp8_recipe(config)  # refuses here what TE's layers cannot do
         if te_layers and config.recompute_granularity == "full":
             raise ValueError("full recompute of Transformer Engine's layers in fp8 needs TE's "
@@ -123,8 +122,6 @@ class TransformerBlock(MegatronModule):
     def _fp8_context(self, position: int):
         if position not in self.te_fp8_layers:
             return contextlib.nullcontext()
-        from megatron.core.transformer import te_backend
-
         group = None
         if parallel_state.model_parallel_is_initialized():
             group = parallel_state.get_amax_reduction_group(
