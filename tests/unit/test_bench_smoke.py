@@ -199,33 +199,45 @@ def test_gpt_step_rounds_rate_each_row_by_its_median_round():
     assert "error" in gpt_step.median_round([runs[0], {"error": "exit code 1"}])
 
 
+def test_gpt_step_refuses_to_profile_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without a GPU")
+    done = subprocess.run([sys.executable, "bench/gpt_step.py", "--quick", "--profile",
+                           str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert done.returncode == 2
+    assert "--profile times CUDA kernels: it needs a GPU" in done.stderr
+
+
 def test_the_profile_counts_busy_time_once_and_idle_gaps_by_the_kernel_after_them():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import gpt_step
+    import gpu_profile
 
     kernels = [(0.0, 10.0, "gemm"), (5.0, 12.0, "norm"), (100.0, 110.0, "adam"),
                (125.0, 130.0, "adam"), (131.0, 140.0, "embedding"), (200.0, 201.0, "adam")]
-    busy, idle = gpt_step.busy_and_idle(kernels)
+    busy, idle = gpu_profile.busy_and_idle(kernels)
     assert busy == 12.0 + 10.0 + 5.0 + 9.0 + 1.0
     assert idle == {"adam": [88.0, 60.0]}  # the 13 us gap is a launch's latency, not idle
 
 
 def test_the_profile_names_the_host_wait_that_ended_inside_each_gap():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import gpt_step
+    import gpu_profile
 
     kernels = [(0.0, 10.0, "gemm"), (100.0, 110.0, "adam"), (125.0, 130.0, "adam"),
                (300.0, 310.0, "embedding")]
     waits = [(50.0, "step > aten::_local_scalar_dense"), (120.0, "inside a short gap"),
              (400.0, "after the last kernel")]
-    assert gpt_step.idle_after_waits(kernels, waits) == {
+    assert gpu_profile.idle_after_waits(kernels, waits) == {
         "step > aten::_local_scalar_dense": [90.0],
         "(no wait: the host was late)": [170.0]}
 
 
 def test_the_host_context_of_a_profiled_event_runs_outermost_to_innermost():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import gpt_step
+    import gpu_profile
 
     class Event:
         def __init__(self, name, parent=None):
@@ -233,7 +245,7 @@ def test_the_host_context_of_a_profiled_event_runs_outermost_to_innermost():
 
     step = Event("ProfilerStep#3")
     optimizer = Event("Optimizer.step#AdamW.step", step)
-    assert gpt_step.host_context(Event("aten::_fused_adamw_", optimizer)) == \
+    assert gpu_profile.host_context(Event("aten::_fused_adamw_", optimizer)) == \
         "Optimizer.step#AdamW.step > aten::_fused_adamw_"
-    assert gpt_step.host_context(optimizer) == "Optimizer.step#AdamW.step"
-    assert gpt_step.host_context(None) == "(python)"
+    assert gpu_profile.host_context(optimizer) == "Optimizer.step#AdamW.step"
+    assert gpu_profile.host_context(None) == "(python)"
