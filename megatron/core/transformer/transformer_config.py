@@ -1,9 +1,9 @@
 """TransformerConfig: the shape, numerics and recomputation settings of a transformer model.
 
 Field names and defaults follow megatron-core 0.11, so configs written for it construct this
-class unchanged. Fields of features this tree does not implement (mixture of experts, fp8,
-multi-latent attention, CUDA graphs, sliding windows, ...) are accepted only at their default;
-see ``UNSUPPORTED_TRANSFORMER_FEATURES``.
+class unchanged. Fields of features this tree does not implement (mixture of experts, fp8
+attention, multi-latent attention, sliding windows, CUDA graphs other than each layer's own,
+...) are accepted only at their default; see ``UNSUPPORTED_TRANSFORMER_FEATURES``.
 
 ``bias_activation_fusion`` and ``bias_dropout_fusion`` compile those pointwise steps into single
 kernels on CUDA (megatron.core.fusions), whatever ``activation_func`` is. ``attention_backend``
@@ -32,7 +32,6 @@ from megatron.core.transformer.layer_assignment import check_layer_split
 _NO_MOE = "mixture-of-experts layers are not implemented"
 _NO_FP8 = ("fp8 attention and fp8 activation storage need Transformer Engine; this tree's fp8 "
            "(fp8=...) covers the linear layers' matmuls")
-_NO_GRAPHS = "CUDA graphs of transformer layers are not implemented"
 
 # Field -> why a non-default value is refused. Remove an entry once the feature exists.
 UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
@@ -74,9 +73,12 @@ UNSUPPORTED_TRANSFORMER_FEATURES: dict[str, str] = {
     "moe_token_drop_policy": _NO_MOE,
     "moe_layer_recompute": _NO_MOE,
     "moe_permute_fusion": _NO_MOE,
-    "cuda_graph_use_single_mempool": _NO_GRAPHS,
-    "cuda_graph_retain_backward_graph": _NO_GRAPHS,
-    "external_cuda_graph": _NO_GRAPHS,
+    "cuda_graph_use_single_mempool": "enable_cuda_graph's graphs keep a memory pool per layer, "
+    "replayed for every micro-batch; one pool for all layers is not implemented",
+    "cuda_graph_retain_backward_graph": "enable_cuda_graph captures a backward graph retained "
+    "only where a later capture needs it; retaining every one is not implemented",
+    "external_cuda_graph": "graphs captured outside the layers are not implemented; "
+    "enable_cuda_graph captures each layer's forward and backward",
     "config_logger_dir": "dumping configs and tensors to disk is not implemented",
     "flash_decode": "the flash-decoding inference kernel is not used",
     "inference_rng_tracker": "there is no separate inference RNG tracker",
