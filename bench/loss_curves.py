@@ -39,14 +39,17 @@ stayed 1-2% apart to the end (and 0.6 nats above the fifth's losses at step 300)
 
 ``--parallel N`` trains N runs at once (a 125M model leaves most of a GPU idle; the losses do
 not depend on what else runs; twelve at once fit an 80 GB H100, sixteen did not). Each curve is
-written to ``--png``'s ``.json`` as its run ends (keys ``variant#r``), so a run cut short keeps
-those that finished, and each run's output to ``<png>-logs/``. On a CPU (``--distributed-backend
+written to ``--png``'s ``.json`` as its run ends (under ``runs``, keys ``variant#r``), so a run
+cut short keeps those that finished, and each run's output to ``<png>-logs/``. The record also
+holds the settings that shape the curves (model, batch, steps, schedule, the corpus's
+fingerprint): ``--from-json`` refuses records whose settings differ, naming the setting. On a CPU (``--distributed-backend
 gloo``, small ``--steps`` and shape) it is a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -189,6 +192,24 @@ def logs_dir(args) -> Path:
     return args.png.with_name(f"{args.png.stem}-logs")
 
 
+def corpus_fingerprint(data: Path) -> str:
+    """The corpus's identity across machines: its token file's size and its index's digest
+    (the documents' lengths in tokens, so the text and the tokenizer)."""
+    index = (data / "corpus_text_document.idx").read_bytes()
+    return (f"{(data / 'corpus_text_document.bin').stat().st_size} bytes, index sha256 "
+            f"{hashlib.sha256(index).hexdigest()[:16]}")
+
+
+def training_settings(args) -> dict:
+    """What every run of a record shares and a run's curve depends on besides its variant and
+    seed: records are weighed together only where these are equal."""
+    return {"steps": args.steps, "num_layers": args.num_layers,
+            "hidden_size": args.hidden_size, "num_attention_heads": args.num_attention_heads,
+            "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
+            "global_batch_size": args.global_batch_size, "lr": args.lr,
+            "lr_warmup_iters": args.lr_warmup_iters, "corpus": corpus_fingerprint(args.data)}
+
+
 def final_loss(curve: dict[int, float], window: int) -> float:
     last = sorted(curve)[-window:]
     return sum(curve[i] for i in last) / len(last)
@@ -248,15 +269,35 @@ def report(finals: dict[str, dict[int, float]]) -> None:
 
 def load_records(paths: list[Path]) -> dict[str, dict[int, float]]:
     """The curves recorded in ``paths`` (``--png``'s .json files), merged; a run recorded in
-    two files is refused, not silently picked."""
+    two files, or records trained with different settings, are refused, not silently mixed.
+    A record of a flat ``{run: curve}`` (written before records kept their settings) is read
+    with a note that its settings cannot be checked."""
     merged: dict[str, dict[int, float]] = {}
     origin: dict[str, Path] = {}
+    settings: dict | None = None
+    settings_from: Path | None = None
     for path in paths:
         try:
             record = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise SystemExit(f"--from-json: {path} is not JSON ({err})") from None
-        for label, curve in record.items():
+        if "runs" not in record:
+            print(f"note: {path} records no training settings (written before records kept "
+                  "them): they are not checked against the other records'")
+            runs = record
+        else:
+            runs = record["runs"]
+            if settings is None:
+                settings, settings_from = record["settings"], path
+            differing = sorted(key for key in settings.keys() | record["settings"].keys()
+                               if settings.get(key) != record["settings"].get(key))
+            if differing:
+                key = differing[0]
+                raise SystemExit(
+                    f"--from-json: {settings_from} and {path} were trained with different "
+                    f"settings ({key}: {settings.get(key)} against "
+                    f"{record['settings'].get(key)}); weigh only runs of the same settings")
+        for label, curve in runs.items():
             name, repeat = parse_run_name(label)
             key = run_name(name, repeat)
             if key in merged:
@@ -269,6 +310,7 @@ def load_records(paths: list[Path]) -> dict[str, dict[int, float]]:
 def train_all(args) -> tuple[dict[str, dict[int, float]], list[str]]:
     """Every run of every variant, ``--parallel`` at a time, each recorded as it ends."""
     record = args.png.with_suffix(".json")
+    settings = training_settings(args)
     logs_dir(args).mkdir(parents=True, exist_ok=True)
     finished, failed = {}, []
     repeats = range(args.first_repeat, args.first_repeat + args.repeats)
@@ -284,7 +326,7 @@ def train_all(args) -> tuple[dict[str, dict[int, float]], list[str]]:
                 failed.append(label)
                 print(f"{label}: FAILED: {err}", flush=True)
                 continue
-            record.write_text(json.dumps(finished, indent=1))
+            record.write_text(json.dumps({"settings": settings, "runs": finished}, indent=1))
             print(f"{label}: {len(finished[label])} steps, final loss "
                   f"{final_loss(finished[label], args.final_window):.4f}", flush=True)
     return finished, failed

@@ -96,9 +96,12 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
                    r"[\d.]+%; (met|MISSED|unresolved[^;]*); 2 pairs of runs from the same seeds")
         assert re.search(pattern, done.stdout, re.MULTILINE), done.stdout
     assert png.stat().st_size > 0
-    recorded = json.loads(png.with_suffix(".json").read_text())
+    record = json.loads(png.with_suffix(".json").read_text())
+    recorded = record["runs"]
     assert sorted(recorded) == [f"{name}#{r}" for name in ("bf16", "fp8", "lean-state")
                                 for r in (0, 1)]
+    assert record["settings"]["steps"] == 2 and record["settings"]["hidden_size"] == 32
+    assert re.fullmatch(r"\d+ bytes, index sha256 [0-9a-f]{16}", record["settings"]["corpus"])
     assert all(len(curve) == 2 for curve in recorded.values()), recorded
     # Run r trains with seed 1234 + r: the two repeats start from different weights.
     assert recorded["bf16#0"]["1"] != recorded["bf16#1"]["1"]
@@ -106,8 +109,9 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
     # Runs of another command (here the same curves renumbered, as --first-repeat 2 would
     # number them) are weighed together with --from-json, without training.
     more = tmp_path / "more.json"
-    more.write_text(json.dumps({label.replace("#0", "#2").replace("#1", "#3"): curve
-                                for label, curve in recorded.items()}))
+    renumbered = {label.replace("#0", "#2").replace("#1", "#3"): curve
+                  for label, curve in recorded.items()}
+    more.write_text(json.dumps({"settings": record["settings"], "runs": renumbered}))
     weigh = [sys.executable, "bench/loss_curves.py", "--final-window", "1",
              "--png", str(tmp_path / "both.png"), "--from-json", str(png.with_suffix(".json"))]
     done = subprocess.run([*weigh, str(more)], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -122,6 +126,24 @@ def test_loss_curves_prints_final_loss_ratios_and_draws_them(tmp_path):
     assert done.returncode != 0, done.stdout
     assert re.search(r"^--from-json: run (bf16|fp8|lean-state)#[01] is in both ", done.stderr,
                      re.MULTILINE), done.stderr
+    # Runs trained with other settings are not weighed with these: the setting is named.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"settings": {**record["settings"], "lr_warmup_iters": 60},
+                                 "runs": renumbered}))
+    done = subprocess.run([*weigh, str(other)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert done.returncode != 0, done.stdout
+    assert "were trained with different settings (lr_warmup_iters: 1 against 60)" in \
+        done.stderr, done.stderr
+    # A record of runs only (as written before records kept their settings) is weighed with
+    # a note that its settings were not checked.
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(renumbered))
+    done = subprocess.run([*weigh, str(bare)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"note: {bare} records no training settings" in done.stdout, done.stdout
+    assert "4 pairs of runs from the same seeds" in done.stdout, done.stdout
 
 
 def test_loss_curves_verdicts_pair_runs_by_seed_and_weigh_the_noise():
