@@ -142,6 +142,24 @@ def test_the_flat_adam_takes_the_iterations_verdict_as_found_inf(device, monkeyp
     assert getattr(optimizer.optimizer, "found_inf", None) is None  # one step only
 
 
+@pytest.mark.parametrize("lr, moves", [(1e-5, False), (2e-3, True)], ids=["small", "large"])
+def test_fp16_main_parameters_lose_updates_below_half_their_step(lr, moves):
+    """docs/compatibility.md's numerics: near 1 an fp16 step is about 1e-3, and the first Adam
+    update is the learning rate in size, so 1e-5 rounds back to 1 where fp32 keeps it."""
+    after = {}
+    for main_params in (torch.float16, torch.float32):
+        model, optimizer = build(True, main_params=main_params)
+        for group in optimizer.optimizer.param_groups:
+            group["lr"] = lr
+        for main in optimizer.get_parameters():
+            main.data.fill_(1.0)
+        train_step(model, optimizer, batches(1, torch.bfloat16))
+        after[main_params] = torch.cat([main.detach().float().flatten()
+                                        for main in optimizer.get_parameters()])
+    assert (after[torch.float32] != 1.0).all()
+    assert (after[torch.float16] != 1.0).all() if moves else (after[torch.float16] == 1.0).all()
+
+
 def test_main_parameters_and_moments_live_in_the_flat_regions():
     model, optimizer = build(True)
     train_step(model, optimizer, batches(1, torch.bfloat16))
