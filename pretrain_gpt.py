@@ -20,8 +20,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron.training import get_args, get_timers, get_tokenizer
+from megatron.training.arguments import ArgumentError
 from megatron.training.config_builders import core_transformer_config_from_args
-from megatron.training.data_sources import get_blend_and_blend_per_split
+from megatron.training.data_sources import DataSourceError, check_data_files, \
+    get_blend_and_blend_per_split
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 
@@ -152,7 +154,18 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
                                          core_gpt_dataset_config_from_args(args)).build()
 
 
+def check_data_before_training(args) -> None:
+    """Where this rank reads the data, its files exist: a wrong --data-path ends the run at
+    start-up in one line naming the flag, not after the model is built."""
+    if not args.mock_data and is_dataset_built_on_rank():
+        try:
+            check_data_files(args)
+        except DataSourceError as error:
+            raise ArgumentError(str(error)) from None
+
+
 if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
+    train_valid_test_datasets_provider.preflight = check_data_before_training
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
              forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})

@@ -93,7 +93,8 @@ def validation_outcome(argv: list[str], world_size: int | None) -> str | None:
     try:
         with mock.patch.dict(os.environ, environment), \
                 mock.patch("torch.cuda.is_available", return_value=True):
-            validate_training_args(validate_args(args, dict(PRETRAIN_GPT_DEFAULTS)))
+            validate_training_args(validate_args(args, dict(PRETRAIN_GPT_DEFAULTS)),
+                                   read_files=False)
     except ArgumentError as error:
         return str(error)
     return None

@@ -138,8 +138,10 @@ _REQUIRED_FOR_TRAINING = ("num_layers", "hidden_size", "num_attention_heads", "s
                           "micro_batch_size", "lr")
 
 
-def validate_training_args(args: argparse.Namespace) -> None:
-    """What pretraining needs on top of ``validate_args``; errors name the flags."""
+def validate_training_args(args: argparse.Namespace, read_files: bool = True) -> None:
+    """What pretraining needs on top of ``validate_args``; errors name the flags. With
+    ``read_files`` False the files of data arguments are not opened (tools/check_args.py:
+    the paths are the cluster's)."""
     missing = [flag_name(name) for name in _REQUIRED_FOR_TRAINING if getattr(args, name) is None]
     if args.train_iters is None and args.train_samples is None:
         missing.append("--train-iters (or --train-samples)")
@@ -151,7 +153,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is smaller "
                             f"than --seq-length {args.seq_length}")
     try:
-        check_training_data(args)
+        check_training_data(args, read_files)
     except DataSourceError as error:
         raise ArgumentError(str(error)) from None
     if args.tokenizer_type is None and not (args.mock_data and args.vocab_size):

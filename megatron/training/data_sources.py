@@ -12,6 +12,7 @@ config's ``blend`` and ``blend_per_split``; every error is one line naming the f
 from __future__ import annotations
 
 import json
+import os
 from typing import Optional
 
 from megatron.core.datasets.blended_megatron_dataset_config import Blend
@@ -114,14 +115,51 @@ def get_blend_and_blend_per_split(args) -> tuple[Optional[Blend], Optional[list[
     return None, None
 
 
-def check_training_data(args) -> None:
-    """What pretraining needs of its data: one source, and the files it names readable and
-    well formed (read now, before any process group exists)."""
+def _named_blends(args) -> list[tuple[str, Blend]]:
+    """Each blend of the data source with the flag (and file) that named it."""
+    blend, per_split = get_blend_and_blend_per_split(args)
+    if blend is not None:
+        flag = ("--data-path" if args.data_path is not None
+                else f"--data-args-path {args.data_args_path}")
+        return [(flag, blend)]
+    if per_split is None:
+        return []
+    if args.per_split_data_args_path is not None:
+        flags = [f"--per-split-data-args-path {args.per_split_data_args_path} ({split.name})"
+                 for split in Split]
+    else:
+        flags = list(PER_SPLIT_FLAGS)
+    return [(flag, split_blend) for flag, split_blend in zip(flags, per_split)
+            if split_blend is not None]
+
+
+def check_data_files(args) -> None:
+    """Every prefix the data source names has its ``.idx`` and ``.bin``: checked when a run
+    starts, before the model is built, so a wrong path ends it in one line naming the flag
+    (``tools/check_args.py`` opens no file: its paths are the cluster's)."""
+    for flag, (prefixes, _) in _named_blends(args):
+        for prefix in prefixes:
+            if not os.path.isfile(f"{prefix}.idx"):
+                raise DataSourceError(
+                    f"{flag}: {prefix}.idx does not exist (a data path is the prefix of a "
+                    f".bin/.idx pair, as tools/preprocess_data.py writes them, e.g. "
+                    f"my-corpus_text_document)")
+            if not os.path.isfile(f"{prefix}.bin"):
+                raise DataSourceError(f"{flag}: {prefix}.bin does not exist beside its .idx")
+
+
+def check_training_data(args, read_files: bool = True) -> None:
+    """What pretraining needs of its data: one source, and the files of data arguments it
+    names readable and well formed (unless ``read_files`` is False: the paths are another
+    machine's)."""
     if not sources_given(args):
         raise DataSourceError("pretraining needs --data-path (or --data-args-path, per-split "
                               "--train-data-path/--valid-data-path/--test-data-path or "
                               "--per-split-data-args-path; --mock-data for synthetic data)")
-    get_blend_and_blend_per_split(args)
+    if read_files:
+        get_blend_and_blend_per_split(args)
+    else:
+        check_data_sources(args)
     if args.num_dataset_builder_threads < 1:
         raise DataSourceError(f"--num-dataset-builder-threads must be >= 1, got "
                               f"{args.num_dataset_builder_threads}")

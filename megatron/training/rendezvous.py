@@ -194,6 +194,21 @@ class Rendezvous:
         return describe_disagreement(topic, versions)
 
 
+def check_on_every_rank(check: Callable[[], None], errors: tuple[type[Exception], ...],
+                        timeout_s: float) -> None:
+    """Run ``check`` here, then wait for every rank's: where it raised one of ``errors`` on
+    any rank, every rank raises StartupError with that reason. A check whose outcome depends
+    on the rank (its files, its pipeline stage) would otherwise let the ranks that passed go
+    on alone into collectives the others never join."""
+    meeting = Rendezvous(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                         dist.get_world_size(), timeout_s)
+    try:
+        check()
+    except errors as error:
+        meeting.fail(str(error))
+    meeting.wait_for_all()
+
+
 def describe_disagreement(topic: str, versions: dict[tuple[int, ...], list]) -> str:
     """Name the first item on which the ranks' lists differ, with each side's value and ranks."""
     lists = list(versions.values())

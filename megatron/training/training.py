@@ -38,7 +38,7 @@ from megatron.core.rerun_state_machine import (
 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
-from megatron.training import metrics_writers, progress_log, run_clock
+from megatron.training import metrics_writers, progress_log, rendezvous, run_clock
 from megatron.training.arguments import ArgumentError, validate_training_args
 from megatron.training.batch_schedule import resolve_train_iters, train_samples
 from megatron.training.checkpoint import pending
@@ -116,6 +116,12 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                             get_position_embedding_ranks=get_position_embedding_ranks)
         args = get_args()
         validate_training_args(args)
+        # A provider may check its inputs here, before the model is built and a checkpoint
+        # loaded (pretrain_gpt.py: that the data's files exist), raising ArgumentError.
+        preflight = getattr(train_valid_test_dataset_provider, "preflight", None)
+        if preflight is not None:
+            rendezvous.check_on_every_rank(lambda: preflight(args), (ArgumentError,),
+                                           args.distributed_startup_timeout_seconds)
         validate_loop_args(args)
         resolve_train_iters(args)
         preflight_pipeline_check(args, get_num_microbatches())

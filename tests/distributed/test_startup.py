@@ -98,6 +98,28 @@ def test_a_rank_that_cannot_go_on_stops_the_others_at_once():
         assert outcome.seconds < TIMEOUT_S  # nobody waited for the deadline
 
 
+def test_missing_data_stops_every_pipeline_stage_before_the_model_is_built(tmp_path):
+    """Only the first and last stages read the data, and only they find it missing; the middle
+    stage, which would go on into the pipeline's first collective, stops with them."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pretrain = os.path.join(repo, "pretrain_gpt.py")
+    flags = [pretrain, "--distributed-backend", "gloo", "--transformer-impl", "local",
+             "--distributed-startup-timeout-seconds", str(TIMEOUT_S),
+             "--pipeline-model-parallel-size", "3", "--num-layers", "3", "--hidden-size", "16",
+             "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+             "--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "64", "--data-path", str(tmp_path / "gone")]
+    outcomes = run_processes([flags] * 3, timeout_s=90)
+    reason = re.escape(f"--data-path: {tmp_path / 'gone'}.idx does not exist")
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == 2, outcome.output
+        assert outcome.seconds <= BOUND_S, outcome
+        # The middle stage reports the first failure published: rank 0's or rank 2's.
+        said = rf"error: rank [02]: {reason}" if rank == 1 else f"error: {reason}"
+        assert re.search(said, outcome.output), outcome.output
+        assert "building GPT model" not in outcome.output
+
+
 def test_a_world_that_does_not_factor_is_refused_before_any_communication():
     outcomes = run_processes([BASE + ["--tensor-model-parallel-size", "2"]] * 3, timeout_s=90)
     for outcome in outcomes:

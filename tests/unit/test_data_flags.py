@@ -19,7 +19,8 @@ from megatron.training import global_vars
 from megatron.training.arguments import (
     ArgumentError, parse_args, validate_args, validate_training_args,
 )
-from megatron.training.data_sources import get_blend_and_blend_per_split
+from megatron.training.data_sources import DataSourceError, check_data_files, \
+    get_blend_and_blend_per_split
 from tests.unit.test_gpt_dataset import EOD, TOKENIZER, make_documents, write_documents
 from tests.unit.test_indexed_dataset import random_documents, write_dataset
 
@@ -107,6 +108,26 @@ def test_bad_per_split_file_is_named_before_training(world, tmp_path, content, m
 def test_training_needs_some_data(world):
     with pytest.raises(ArgumentError, match="pretraining needs --data-path .*--mock-data"):
         validate_training_args(args_of())
+
+
+def test_a_data_prefix_without_its_files_is_named_with_its_flag(world, tmp_path):
+    whole = str(tmp_path / "whole")
+    write_documents(whole, make_documents(4, seed=0))
+    check_data_files(args_of("--data-path", whole))  # both files there
+    with pytest.raises(DataSourceError, match=rf"^--data-path: {tmp_path}/gone\.idx does not "
+                                              r"exist \(a data path is the prefix"):
+        check_data_files(args_of("--data-path", "0.5", whole, "0.5", str(tmp_path / "gone")))
+    (tmp_path / "half.idx").write_bytes(b"")
+    with pytest.raises(DataSourceError,
+                       match=rf"^--valid-data-path: {tmp_path}/half\.bin does not exist"):
+        check_data_files(args_of("--train-data-path", whole, "--valid-data-path",
+                                 str(tmp_path / "half")))
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": [whole], "test": [str(tmp_path / "gone")]}))
+    with pytest.raises(DataSourceError, match=rf"^--per-split-data-args-path {splits} \(test\): "
+                                              rf"{tmp_path}/gone\.idx"):
+        check_data_files(args_of("--per-split-data-args-path", str(splits)))
+    check_data_files(args_of("--mock-data"))  # no files to look for
 
 
 SPLIT = ["--split", "9,1,0"]

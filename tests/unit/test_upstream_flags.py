@@ -167,6 +167,12 @@ def test_check_args_reports_flag_by_flag_and_its_exit_status_says_whether_the_ru
     assert inconsistent.returncode == 1
     assert "is not divisible by --tensor-model-parallel-size 2" in inconsistent.stdout
 
+    # The paths are the cluster's: no file is opened, not even one of data arguments.
+    model = [flag for flag in MODEL if flag != "--mock-data"]
+    cluster = _check(*model, "--tokenizer-type", "NullTokenizer", "--data-args-path",
+                     "/cluster/only/data_args.txt")
+    assert cluster.returncode == 0, cluster.stdout + cluster.stderr
+
 
 def test_the_flag_table_in_the_docs_is_current():
     generated = subprocess.run([sys.executable, str(REPO / "tools" / "check_args.py"), "--table"],
