@@ -11,7 +11,10 @@ Everything here talks through the rendezvous key-value store (the TCPStore behin
   hold which value; every rank raises that verdict. Ranks that disagree on the parallel layout
   or on the group sequence would otherwise block for ever inside ``new_group`` or in their first
   collective;
-* **abort**: a rank that cannot go on publishes why, and the others stop waiting and report it.
+* **abort**: a rank that cannot go on publishes why, and the others stop waiting and report it;
+* **checks on every rank** (``check_on_every_rank``, once the groups exist): a check whose
+  outcome depends on the rank (the data files a pipeline stage reads) fails on every rank when
+  it fails on one.
 
 Rank 0 hosts the store (unless torchrun's agent does). If it is missing, the others report that
 they could not reach the store; when it fails, it keeps the store up until the others have read
