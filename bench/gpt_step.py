@@ -442,7 +442,7 @@ def run_trainer_worker(args, flags: list[str]) -> dict:
     if args.profile:
         last = first + args.steps
         gpu_profile.write_profile(args.profile, args.worker, torch,
-                                      lambda: train(last, last + 2))
+                                  lambda: train(last, last + 2))
     # CUDA graphs' pools hold their tensors outside the allocated count: reserved then.
     graphs = gpu and get_args().enable_cuda_graph
     peak = 0 if not gpu else (torch.cuda.max_memory_reserved() if graphs

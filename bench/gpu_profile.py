@@ -68,9 +68,10 @@ def gap_table(title: str, idle: dict[str, list[float]], rows: int = 15) -> list[
 
 
 def write_profile(directory: Path, label: str, torch, run) -> None:
-    """Into ``directory/<label>.txt``: kernel tables of ``run`` (one or more steps), how much of its wall time the GPU was
-    busy (where kernels wait on the host, busy time falls short of the wall), and where it
-    was idle: the gaps, summed by the kernel that ended them, say which host work was late."""
+    """Into ``directory/<label>.txt``: kernel tables of ``run`` (one or more steps), how much
+    of its wall time the GPU was busy (where kernels wait on the host, busy time falls short of
+    the wall), and where it was idle: the gaps, summed by the kernel that ended them, say which
+    host work was late."""
     directory.mkdir(parents=True, exist_ok=True)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,

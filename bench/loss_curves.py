@@ -42,8 +42,8 @@ not depend on what else runs; twelve at once fit an 80 GB H100, sixteen did not)
 written to ``--png``'s ``.json`` as its run ends (under ``runs``, keys ``variant#r``), so a run
 cut short keeps those that finished, and each run's output to ``<png>-logs/``. The record also
 holds the settings that shape the curves (model, batch, steps, schedule, the corpus's
-fingerprint): ``--from-json`` refuses records whose settings differ, naming the setting. On a CPU (``--distributed-backend
-gloo``, small ``--steps`` and shape) it is a smoke run.
+fingerprint): ``--from-json`` refuses records whose settings differ, naming the setting. On a
+CPU (``--distributed-backend gloo``, small ``--steps`` and shape) it is a smoke run.
 """
 
 from __future__ import annotations
