@@ -7,6 +7,8 @@ and leaves the default group unbound (it never passes ``device_id``).
 device in ``init_process_group``, then ``new_group`` for groups some ranks are not in -- with a
 deadline. Whether that hangs depends on the torch/NCCL in use (it did on torch 2.4), so the test
 only records the outcome, next to the same steps without binding, in lines for the README.
+(c) ``pretrain_gpt.py`` at pipeline size 3 with a missing ``--data-path`` ends on every rank,
+before the model is built.
 """
 
 import json
@@ -50,6 +52,27 @@ def test_initialize_starts_and_creates_its_groups(flags, expect, tmp_path):
         assert {k: report[k] for k in expect} == expect
         assert report["bound_device"] is None  # never device_id (upstream #1027)
     assert all(r["groups"] == reports[0]["groups"] for r in reports)
+
+
+def test_missing_data_stops_every_pipeline_stage_before_the_model_is_built(tmp_path):
+    """pp 3: the first and last stages find ``--data-path`` missing; the middle stage, which
+    reads no data, stops with them through the rendezvous store instead of waiting in its
+    first pipeline receive."""
+    gone = tmp_path / "gone"
+    command = [sys.executable, str(REPO / "pretrain_gpt.py"), "--distributed-backend", BACKEND,
+               "--transformer-impl", "local",
+               "--distributed-startup-timeout-seconds", str(STARTUP_TIMEOUT_S),
+               "--pipeline-model-parallel-size", "3", "--num-layers", "3", "--hidden-size", "16",
+               "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+               "--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "64", "--data-path", str(gone)]
+    launched = launch(command, 3, timeout_s=STARTUP_TIMEOUT_S + 60, log_dir=tmp_path / "logs")
+    assert launched.returncodes == [2, 2, 2], launched.describe()
+    reason = f"--data-path: {gone}.idx does not exist"
+    for rank in range(3):
+        output = launched.output(rank)
+        assert reason in output, launched.describe()
+        assert "building GPT model" not in output, launched.describe()
 
 
 def _bind_run(log_dir: Path, *flags: str) -> str:
