@@ -99,45 +99,41 @@ def _per_split_file(path: str) -> list[Optional[Blend]]:
     return blends
 
 
-def get_blend_and_blend_per_split(args) -> tuple[Optional[Blend], Optional[list[Optional[Blend]]]]:
-    """``(blend, blend_per_split)`` of the data source ``args`` name; (None, None) for none."""
+def _labelled_blends(args) -> tuple[bool, list[tuple[str, Optional[Blend]]]]:
+    """Whether the data source is one blend, and each of its blends (None for a split left
+    out) with the flag, and file, that named it: the label of its errors."""
     check_data_sources(args)
     if args.data_args_path is not None:
-        return _blend(_read(args.data_args_path, "--data-args-path").split(),
-                      f"--data-args-path {args.data_args_path}"), None
+        flag = f"--data-args-path {args.data_args_path}"
+        return True, [(flag, _blend(_read(args.data_args_path, "--data-args-path").split(),
+                                    flag))]
     if args.data_path is not None:
-        return _blend(args.data_path, "--data-path"), None
+        return True, [("--data-path", _blend(args.data_path, "--data-path"))]
     if args.per_split_data_args_path is not None:
-        return None, _per_split_file(args.per_split_data_args_path)
+        path = args.per_split_data_args_path
+        flags = [f"--per-split-data-args-path {path} ({split.name})" for split in Split]
+        return False, list(zip(flags, _per_split_file(path)))
     paths = _per_split_paths(args)
     if any(words is not None for words in paths):
-        return None, [_blend(words, flag) for words, flag in zip(paths, PER_SPLIT_FLAGS)]
-    return None, None
+        return False, [(flag, _blend(words, flag)) for words, flag in zip(paths, PER_SPLIT_FLAGS)]
+    return False, []
 
 
-def _named_blends(args) -> list[tuple[str, Blend]]:
-    """Each blend of the data source with the flag (and file) that named it."""
-    blend, per_split = get_blend_and_blend_per_split(args)
-    if blend is not None:
-        flag = ("--data-path" if args.data_path is not None
-                else f"--data-args-path {args.data_args_path}")
-        return [(flag, blend)]
-    if per_split is None:
-        return []
-    if args.per_split_data_args_path is not None:
-        flags = [f"--per-split-data-args-path {args.per_split_data_args_path} ({split.name})"
-                 for split in Split]
-    else:
-        flags = list(PER_SPLIT_FLAGS)
-    return [(flag, split_blend) for flag, split_blend in zip(flags, per_split)
-            if split_blend is not None]
+def get_blend_and_blend_per_split(args) -> tuple[Optional[Blend], Optional[list[Optional[Blend]]]]:
+    """``(blend, blend_per_split)`` of the data source ``args`` name; (None, None) for none."""
+    one_blend, labelled = _labelled_blends(args)
+    blends = [blend for _, blend in labelled]
+    if one_blend:
+        return blends[0], None
+    return None, blends or None
 
 
 def check_data_files(args) -> None:
     """Every prefix the data source names has its ``.idx`` and ``.bin``: checked when a run
     starts, before the model is built, so a wrong path ends it in one line naming the flag
     (``tools/check_args.py`` opens no file: its paths are the cluster's)."""
-    for flag, (prefixes, _) in _named_blends(args):
+    labelled = [(flag, blend) for flag, blend in _labelled_blends(args)[1] if blend is not None]
+    for flag, (prefixes, _) in labelled:
         for prefix in prefixes:
             if not os.path.isfile(f"{prefix}.idx"):
                 raise DataSourceError(

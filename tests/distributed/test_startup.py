@@ -98,17 +98,23 @@ def test_a_rank_that_cannot_go_on_stops_the_others_at_once():
         assert outcome.seconds < TIMEOUT_S  # nobody waited for the deadline
 
 
+def missing_data_flags(backend: str, data_prefix: str, startup_timeout_s: int) -> list[str]:
+    """``pretrain_gpt.py``'s flags (after the script) for a tiny GPT at pipeline size 3 whose
+    ``--data-path`` prefix need not exist (also run over NCCL by tests/gpu)."""
+    return ["--distributed-backend", backend, "--transformer-impl", "local",
+            "--distributed-startup-timeout-seconds", str(startup_timeout_s),
+            "--pipeline-model-parallel-size", "3", "--num-layers", "3", "--hidden-size", "16",
+            "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+            "--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64", "--data-path", data_prefix]
+
+
 def test_missing_data_stops_every_pipeline_stage_before_the_model_is_built(tmp_path):
     """Only the first and last stages read the data, and only they find it missing; the middle
     stage, which would go on into the pipeline's first collective, stops with them."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    pretrain = os.path.join(repo, "pretrain_gpt.py")
-    flags = [pretrain, "--distributed-backend", "gloo", "--transformer-impl", "local",
-             "--distributed-startup-timeout-seconds", str(TIMEOUT_S),
-             "--pipeline-model-parallel-size", "3", "--num-layers", "3", "--hidden-size", "16",
-             "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
-             "--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "64", "--data-path", str(tmp_path / "gone")]
+    flags = [os.path.join(repo, "pretrain_gpt.py"),
+             *missing_data_flags("gloo", str(tmp_path / "gone"), TIMEOUT_S)]
     outcomes = run_processes([flags] * 3, timeout_s=90)
     reason = re.escape(f"--data-path: {tmp_path / 'gone'}.idx does not exist")
     for rank, outcome in enumerate(outcomes):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.test_startup import missing_data_flags
 from tests.gpu.nccl_support import BACKEND, REPO, json_lines, launch, needs
 from tests.support.gpu import requires_nccl
 
@@ -59,13 +60,8 @@ def test_missing_data_stops_every_pipeline_stage_before_the_model_is_built(tmp_p
     reads no data, stops with them through the rendezvous store instead of waiting in its
     first pipeline receive."""
     gone = tmp_path / "gone"
-    command = [sys.executable, str(REPO / "pretrain_gpt.py"), "--distributed-backend", BACKEND,
-               "--transformer-impl", "local",
-               "--distributed-startup-timeout-seconds", str(STARTUP_TIMEOUT_S),
-               "--pipeline-model-parallel-size", "3", "--num-layers", "3", "--hidden-size", "16",
-               "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
-               "--train-iters", "1", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
-               "--vocab-size", "64", "--data-path", str(gone)]
+    command = [sys.executable, str(REPO / "pretrain_gpt.py"),
+               *missing_data_flags(BACKEND, str(gone), STARTUP_TIMEOUT_S)]
     launched = launch(command, 3, timeout_s=STARTUP_TIMEOUT_S + 60, log_dir=tmp_path / "logs")
     assert launched.returncodes == [2, 2, 2], launched.describe()
     reason = f"--data-path: {gone}.idx does not exist"
